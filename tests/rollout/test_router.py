@@ -1,0 +1,74 @@
+"""Sticky, least-loaded routing. Two clients with different names share one real server: placement
+is decided by the router from its own bookkeeping, so one server tests the logic honestly."""
+import asyncio
+
+import pytest
+
+from molt.rollout.engine import EngineClient, EngineDied, free_port
+from molt.rollout.router import Router
+from tests.rollout.conftest import run
+
+PROMPT = [1, 17, 42, 99, 7]
+
+
+def test_least_loaded_then_sticky(engine):
+    async def main():
+        router = Router([EngineClient("a", engine.url), EngineClient("b", engine.url)])
+
+        def start(rollout_id, n=64):
+            return asyncio.create_task(router.generate(rollout_id, PROMPT, n, temperature=1.0))
+
+        first = [start("r0"), start("r1"), start("r2")]
+        await asyncio.sleep(0)  # each task has placed its request and is awaiting the engine
+        placed = (router.load(), dict(router.assigned))
+        # r1 is stuck to b even though a now has fewer requests in flight than b
+        more = [start("r1"), start("r1")]
+        await asyncio.sleep(0)
+        busy_b = router.load()
+        outs = await asyncio.gather(*first, *more)
+        idle = router.load()
+        router.release("r1")
+        again = start("r1", 4)  # placed afresh: a and b are idle, b now holds fewer rollouts
+        await asyncio.sleep(0)
+        replaced = router.assigned["r1"]
+        await again
+        return placed, busy_b, outs, idle, replaced
+
+    placed, busy_b, outs, idle, replaced = run(main())
+    assert placed == ({"a": 2, "b": 1}, {"r0": "a", "r1": "b", "r2": "a"})
+    assert busy_b == {"a": 2, "b": 3}
+    assert all(0 < len(o.token_ids) == len(o.logprobs) <= 64 and o.finish_reason in ("stop", "length") for o in outs)
+    assert idle == {"a": 0, "b": 0}
+    assert replaced == "b"
+
+
+def test_dead_engine_frees_its_slot():
+    router = Router([EngineClient("gone", f"http://127.0.0.1:{free_port()}", 5.0)])
+    with pytest.raises(EngineDied, match="gone"):
+        run(router.generate("r0", PROMPT, 4))
+    assert router.load() == {"gone": 0} and router.assigned == {"r0": "gone"}
+    router.release("r0")
+    assert router.assigned == {} and router.rollouts == {"gone": 0}
+
+
+def test_identical_requests_in_one_tick_share_one_engine_request(engine):
+    async def main():
+        client = EngineClient("a", engine.url)
+        calls = []
+        real = client.generate_n
+
+        async def counted(ids, max_tokens, n, **kw):
+            calls.append((tuple(ids), n))
+            return await real(ids, max_tokens, n, **kw)
+
+        client.generate_n = counted
+        router = Router([client])
+        same = [router.generate(f"g/{i}", PROMPT, 8, temperature=1.0) for i in range(8)]
+        other = router.generate("h/0", PROMPT + [5], 8, temperature=1.0)
+        outs = await asyncio.gather(*same, other)
+        return calls, outs, router.load()
+
+    calls, outs, load = run(main())
+    assert sorted(calls) == [(tuple(PROMPT), 8), (tuple(PROMPT + [5]), 1)]
+    assert len({tuple(o.token_ids) for o in outs[:8]}) > 1, "n independent samples, not one copied"
+    assert all(len(o.token_ids) == len(o.logprobs) > 0 for o in outs) and load == {"a": 0}

