@@ -118,7 +118,8 @@ def build_smollm2(out_dir: str | Path) -> Path:
     cfg = model.config.to_dict()
     cfg["architectures"] = ["LlamaForCausalLM"]
     cfg["torch_dtype"] = "float32"
-    cfg.pop("dtype", None)
+    for key in ("dtype", "quantization_config"):  # the weights are dequantised fp32 now; vLLM would look for GGUF
+        cfg.pop(key, None)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if cfg.get("tie_word_embeddings"):
