@@ -34,6 +34,12 @@ class EstimatorConfig:
     name: str = "grpo"
     std_normalize: bool = True  # grpo: divide by the group std (false = Dr. GRPO)
     eps: float = 1e-6
+    teacher_path: str = ""  # opd: HF directory of the frozen teacher (must share the student's tokenizer)
+    opd_coef: float = 1.0  # opd: A_t = -opd_coef (log p_student - log p_teacher)
+    gamma: float = 1.0  # gae: discount per generated token
+    lam: float = 0.95  # gae: GAE lambda
+    critic_lr: float = 1e-3  # gae: the critic's own AdamW learning rate
+    value_clip: float = 0.2  # gae: V_old +- value_clip bounds the clipped value loss
 
 
 @dataclass
@@ -96,12 +102,31 @@ class TrainConfig:
     grad_clip: float = 1.0
     clip_low: float = 0.2  # PPO-style ratio clip band [1 - clip_low, 1 + clip_high]
     clip_high: float = 0.28
+    kl_coef: float = 0.0  # k3 KL penalty to a frozen copy of the initial policy (0 = no reference model loaded)
     row_tokens: int = 2048  # packed row length for the actor
     micro_batch_rows: int = 1  # rows per forward/backward (gradient accumulation inside a step)
     save_every: int = 0  # checkpoint every N steps (0 = only at the end)
     dump_rollouts: Optional[str] = None  # directory: write every trained group as JSONL
     num_threads: int = 0  # torch intra-op threads for the actor (0 = torch default)
     routing_replay: bool = False
+
+
+@dataclass
+class IsCorrectionConfig:
+    """Off-policy correction with the ratio actor / behaviour (see molt/algo/correction.py)."""
+
+    level: str = "off"  # off | token | seq (product of a sequence's ratios) | geo (their geometric mean)
+    mode: str = "mask"  # mask (0 outside [low, high]) | clip (clamp into it) | trunc (cap at high); seq/geo: mask
+    low: float = 0.5
+    high: float = 2.0
+
+
+@dataclass
+class FilterConfig:
+    """Dynamic batch filtering: groups whose rewards are all equal carry no signal and are dropped."""
+
+    enabled: bool = False
+    max_drop_factor: float = 10.0  # stop the run when one step drops more than this x train.groups_per_step groups
 
 
 @dataclass
@@ -138,6 +163,8 @@ class RunConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    is_correction: IsCorrectionConfig = field(default_factory=IsCorrectionConfig)
+    filter: FilterConfig = field(default_factory=FilterConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 

@@ -116,6 +116,82 @@ def group_baseline_needs_group(cfg, hf):
                 f"{cfg.rollout.n} gives zero advantages: set rollout.n >= 2")
 
 
+def tokenizer_mismatch(student_dir, teacher_dir) -> str | None:
+    """Why two model directories' tokenizers differ (vocabulary or eos), or None when they are the same."""
+    from transformers import AutoTokenizer
+
+    a, b = AutoTokenizer.from_pretrained(str(student_dir)), AutoTokenizer.from_pretrained(str(teacher_dir))
+    if a.get_vocab() != b.get_vocab():
+        return f"their vocabularies differ ({len(a)} vs {len(b)} tokens)"
+    if a.eos_token != b.eos_token:
+        return f"their eos tokens differ ({a.eos_token!r} vs {b.eos_token!r})"
+
+
+def opd_teacher(cfg, hf):
+    if cfg.estimator.name != "opd":
+        return None
+    teacher = cfg.estimator.teacher_path
+    if not teacher or not (Path(teacher) / "config.json").exists():
+        return (f"estimator=opd needs a teacher: estimator.teacher_path={teacher!r} holds no config.json; point it at "
+                "a Hugging Face model directory that shares the student's tokenizer")
+    if (Path(cfg.model.path) / "config.json").exists():  # else it is built later and checked when the teacher loads
+        why = tokenizer_mismatch(cfg.model.path, teacher)
+        if why:
+            return (f"estimator.teacher_path={teacher} does not share model.path={cfg.model.path}'s tokenizer: {why}; "
+                    "the teacher scores the student's token ids, so choose a teacher of the same tokenizer")
+
+
+def gae_params(cfg, hf):
+    e = cfg.estimator
+    if e.name == "gae" and not (0 <= e.gamma <= 1 and 0 <= e.lam <= 1 and e.critic_lr > 0 and e.value_clip > 0):
+        return (f"estimator=gae with gamma={e.gamma}, lam={e.lam}, critic_lr={e.critic_lr}, value_clip={e.value_clip}: "
+                "need 0 <= estimator.gamma, estimator.lam <= 1 and estimator.critic_lr, estimator.value_clip > 0")
+
+
+def kl_coef(cfg, hf):
+    if cfg.train.kl_coef < 0:
+        return f"train.kl_coef={cfg.train.kl_coef}: the KL penalty's weight must be >= 0 (0 = no reference model)"
+
+
+def is_correction_names(cfg, hf):
+    from molt.algo.correction import LEVELS, MODES
+
+    c = cfg.is_correction
+    if c.level not in LEVELS:
+        return f"is_correction.level={c.level!r} is unknown: use one of {sorted(LEVELS)}"
+    if c.mode not in MODES:
+        return f"is_correction.mode={c.mode!r} is unknown: use one of {sorted(MODES)}"
+
+
+def is_correction_band(cfg, hf):
+    c = cfg.is_correction
+    if c.level != "off" and not (0 <= c.low <= 1 <= c.high and c.low < c.high):
+        return (f"is_correction.low={c.low}, is_correction.high={c.high}: the band must hold ratio 1 "
+                "(0 <= low <= 1 <= high, low < high), or tokens sampled by the actor's own weights are corrected away")
+
+
+def is_correction_seq_mode(cfg, hf):
+    from molt.algo.correction import SEQ_LEVELS
+
+    c = cfg.is_correction
+    if c.level in SEQ_LEVELS and c.mode != "mask":
+        return (f"is_correction.level={c.level} gates whole sequences (masked out outside the band), so "
+                f"is_correction.mode={c.mode} means nothing there: set is_correction.mode=mask, or level=token "
+                "to clip or truncate per-token ratios")
+
+
+def filter_needs_group(cfg, hf):
+    f = cfg.filter
+    if f.enabled and cfg.estimator.name == "opd":
+        return ("filter.enabled=true drops groups by their rewards, which estimator=opd does not use: "
+                "set filter.enabled=false")
+    if f.enabled and cfg.rollout.n < 2:
+        return (f"filter.enabled=true drops groups whose rewards are all equal, which every group of rollout.n="
+                f"{cfg.rollout.n} is: set rollout.n >= 2 or filter.enabled=false")
+    if f.enabled and f.max_drop_factor <= 0:
+        return f"filter.max_drop_factor={f.max_drop_factor}: must be > 0 (groups dropped per step / groups_per_step)"
+
+
 def max_lag(cfg, hf):
     if cfg.rollout.max_lag < 0:
         return f"rollout.max_lag={cfg.rollout.max_lag}: use 0 (synchronous on-policy) or more"
@@ -204,7 +280,9 @@ def parallel_not_ready(cfg, hf):
 # Order matters: the model guards come before anything that reads the model's config, and the
 # catch-all `parallel_not_ready` comes last so that the specific layout errors are reported first.
 GUARDS = [fsdp_sizes, fsdp_offload, layout_matches_ranks, model_recipe, model_dir, ep_on_dense, ep_divides_experts,
-          cpu_head_dim, estimator_known, group_baseline_needs_group, max_lag, temperature, replay_needs_experts,
+          cpu_head_dim, estimator_known, group_baseline_needs_group, opd_teacher, gae_params, kl_coef,
+          is_correction_names, is_correction_band, is_correction_seq_mode, filter_needs_group, max_lag, temperature,
+          replay_needs_experts,
           replay_needs_routes, routes_need_gpu, sync_path, engines, context_fits, agent_mode, agent_module,
           task_files, batch_fits_inflight, parallel_not_ready]
 

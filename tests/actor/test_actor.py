@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from molt.actor.actor import Actor
 from molt.actor.pack import micro_batches, pack
 from molt.assets import ensure_model
-from molt.config import TrainConfig
+from molt.config import IsCorrectionConfig, TrainConfig
 from molt.types import Segment
 
 LENGTHS = (5, 17, 9, 30, 4, 12, 25, 8, 20, 3)  # row_tokens=32 packs these into 5 rows
@@ -170,3 +170,56 @@ def test_state_dict_round_trip(model_dir):
     b.train_step(segs, [0.5] * len(segs))  # identical only if the AdamW moments came along
     for (k, p), q in zip(a.model.named_parameters(), b.model.parameters()):
         assert torch.equal(p, q), k
+
+
+def _off_policy(actor, segs, scale=0.3):
+    """Behaviour log-probs a little off the actor's (deterministic per token), so ratios spread around 1."""
+    segs = with_logprobs(segs, actor.logprobs(segs))
+    return [dataclasses.replace(s, logprobs=[x + scale * ((j % 3) - 1) * m for j, (x, m) in
+                                             enumerate(zip(s.logprobs, s.loss_mask))]) for s in segs]
+
+
+@pytest.mark.parametrize("level,mode,low,high", [("seq", "mask", 0.8, 1.25), ("geo", "mask", 0.95, 1.05),
+                                                 ("token", "trunc", 0.0, 1.2)])
+def test_gradient_independent_of_micro_batch_split_with_is_and_kl(model_dir, level, mode, low, high):
+    is_cfg = IsCorrectionConfig(level=level, mode=mode, low=low, high=high)
+    actor = Actor(model_dir, TrainConfig(row_tokens=32, kl_coef=0.1, lr=1e-2), is_correction=is_cfg)
+    segs = make_segments()
+    actor.train_step(with_logprobs(segs, actor.logprobs(segs)), [1.0] * len(segs))  # move off the reference
+    segs = _off_policy(actor, segs)
+    adv = [[(-1.0) ** i * (1 + i / 10)] * len(s.token_ids) for i, s in enumerate(segs)]
+    grads, metrics = [], []
+    for rows in (1, 2, 4):
+        actor.cfg = dataclasses.replace(actor.cfg, micro_batch_rows=rows)
+        actor.model.zero_grad(set_to_none=True)
+        metrics.append(actor.backward(segs, adv))
+        grads.append({k: p.grad.clone() for k, p in actor.model.named_parameters()})
+    assert 0 < metrics[0]["is/token_gated_frac"] < 1 and metrics[0]["kl/ref_k3"] > 1e-4
+    if level != "token":
+        assert 0 < metrics[0]["is/seq_gated_frac"] < 1
+    for g in grads[1:]:
+        for k in g:
+            torch.testing.assert_close(g[k], grads[0][k], rtol=0, atol=1e-6)
+    for k in ("loss/policy", "loss/kl", "is/token_gated_frac", "is/seq_gated_frac", "is/ratio_min", "is/ratio_max",
+              "is/ratio_mean", "kl/behaviour_k3", "entropy/mean"):
+        assert metrics[1][k] == pytest.approx(metrics[0][k], abs=1e-6) == metrics[2][k], k
+
+
+def test_entropy_and_reference_kl(model_dir):
+    """entropy/mean equals the full-softmax entropy at the sampling temperature; the reference is the initial
+    policy (KL 0 before any step, > 0 after) and is not loaded when kl_coef = 0."""
+    assert Actor(model_dir, TrainConfig()).reference is None
+    actor = Actor(model_dir, TrainConfig(row_tokens=64, kl_coef=0.5, lr=1e-2))
+    segs = make_segments(seed=5)
+    segs = with_logprobs(segs, actor.logprobs(segs, temperature=0.7))
+    m = actor.train_step(segs, [1.0] * len(segs), temperature=0.7)
+    with torch.no_grad():
+        expected = []
+        for s in segs:
+            logits = actor.reference(torch.tensor([s.token_ids])).logits[0, :-1].float() / 0.7  # (n-1, V)
+            h = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+            expected += [x for x, mk in zip(h.tolist(), s.loss_mask[1:]) if mk]
+    assert m["entropy/mean"] == pytest.approx(sum(expected) / len(expected), abs=1e-5)
+    assert m["kl/ref_k3"] == pytest.approx(0.0, abs=1e-7)
+    assert actor.train_step(segs, [1.0] * len(segs), temperature=0.7)["kl/ref_k3"] > 1e-4
+    assert all(not p.requires_grad for p in actor.reference.parameters())

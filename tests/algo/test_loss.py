@@ -1,0 +1,101 @@
+import math
+
+import pytest
+import torch
+
+from molt.algo.loss import actor_loss, combine, kl_penalty, policy_loss
+from molt.config import IsCorrectionConfig, TrainConfig
+from molt.types import Batch
+
+
+def _case():
+    diff = torch.tensor([[0.0, 0.5, -0.5, math.log(1.1), 3.0]])  # logp - behaviour
+    behaviour = torch.tensor([[-1.0, -2.0, -0.5, -1.5, -4.0]])
+    adv = torch.tensor([[1.0, 1.0, -1.0, 2.0, 100.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])  # the last token must be ignored
+    return behaviour + diff, behaviour, adv, mask
+
+
+def test_policy_loss_hand_worked():
+    logp, behaviour, adv, mask = _case()
+    loss, m = policy_loss(logp, behaviour, adv, mask, num_loss_tokens=8, clip_low=0.2, clip_high=0.28)
+    # per token: -1 (r=1), -1.28 (r=e^.5 clipped at 1.28), +0.8 (r=e^-.5, A<0: clipped at 0.8), -2.2 (r=1.1)
+    assert loss.item() == pytest.approx((-1 - 1.28 + 0.8 - 2.2) / 8, abs=1e-6)
+    assert m["clip/frac"].item() == pytest.approx(2 / 8)
+    assert m["clip/high_frac"].item() == pytest.approx(1 / 8) and m["clip/low_frac"].item() == pytest.approx(1 / 8)
+    assert m["ratio/mean"].item() == pytest.approx((1 + math.exp(0.5) + math.exp(-0.5) + 1.1) / 8, abs=1e-6)
+
+
+def test_policy_loss_sums_over_micro_batches():
+    logp, behaviour, adv, mask = _case()
+    whole, _ = policy_loss(logp, behaviour, adv, mask, 4, 0.2, 0.28)
+    halves = [policy_loss(logp[:, s], behaviour[:, s], adv[:, s], mask[:, s], 4, 0.2, 0.28)[0]
+              for s in (slice(0, 2), slice(2, 5))]
+    assert (halves[0] + halves[1]).item() == pytest.approx(whole.item(), abs=1e-7)
+
+
+@pytest.mark.parametrize("adv, ratio, has_grad", [
+    (1.0, 1.28 - 1e-3, True), (1.0, 1.28 + 1e-3, False),  # A>0: no push beyond 1 + clip_high
+    (1.0, 0.5, True),  # A>0 below the band: the unclipped term is the minimum, keep pushing up
+    (-1.0, 0.8 + 1e-3, True), (-1.0, 0.8 - 1e-3, False),  # A<0: no push below 1 - clip_low
+    (-1.0, 1.5, True),  # A<0 above the band: pessimistic bound still pulls it down
+])
+def test_clip_band_edges(adv, ratio, has_grad):
+    logp = torch.tensor([[math.log(ratio)]], requires_grad=True)
+    loss, m = policy_loss(logp, torch.zeros(1, 1), torch.tensor([[adv]]), torch.ones(1, 1), 1, 0.2, 0.28)
+    loss.backward()
+    assert (logp.grad.abs().item() > 0) == has_grad
+    assert m["clip/frac"].item() == (0.0 if has_grad else 1.0)
+    if has_grad:  # d/dlogp of -ratio * A = -ratio * A
+        assert logp.grad.item() == pytest.approx(-ratio * adv, rel=1e-5)
+
+
+def test_kl_penalty_hand_worked():
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    ref = torch.tensor([[-1.0, -1.0, -3.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    loss, m = kl_penalty(logp, ref, mask, num_loss_tokens=2, kl_coef=0.1)
+    k3 = (math.exp(1.0) - 1.0 - 1) / 2  # token 0: d = 0 -> 0; token 1: d = 1; token 2 is off the mask
+    assert m["kl/ref_k3"].item() == pytest.approx(k3) and loss.item() == pytest.approx(0.1 * k3)
+    loss.backward()  # d/dlogp k3 = 1 - exp(ref - logp)
+    assert logp.grad[0].tolist() == pytest.approx([0.0, 0.1 * (1 - math.e) / 2, 0.0])
+
+
+def _mb(logp, behaviour, adv, mask, segs):
+    return Batch(input_ids=torch.zeros_like(segs), position_ids=torch.zeros_like(segs), loss_mask=mask,
+                 behaviour_logp=behaviour, advantages=adv, segment_ids=segs)
+
+
+def test_actor_loss_with_is_weights_and_kl():
+    """IS on: the gradient is -w_t A_t / n per token (gated tokens: 0), plus the KL term; ratios vs the proximal
+    policy are 1, so the clip never fires."""
+    behaviour = torch.tensor([[-1.0, -1.0, -1.0, -1.0]])
+    log_ratio = torch.tensor([[0.0, math.log(1.5), math.log(3.0), math.log(0.8)]])
+    logp = (behaviour + log_ratio).requires_grad_()
+    adv, mask, segs = torch.tensor([[0.0, 2.0, 2.0, -1.0]]), torch.tensor([[0.0, 1, 1, 1]]), torch.zeros(1, 4).long()
+    ref = logp.detach() + torch.tensor([[0.0, 0.0, 0.0, 0.5]])
+    train = TrainConfig(kl_coef=0.2)
+    loss, m = actor_loss(logp, torch.tensor([[9.0, 1.0, 2.0, 3.0]]), ref, _mb(logp, behaviour, adv, mask, segs),
+                         3, 1, train, IsCorrectionConfig(level="token", mode="mask", low=0.5, high=2.0))
+    loss.backward()
+    kl_grad = 0.2 * (1 - math.exp(0.5)) / 3  # last token only: d = 0.5
+    assert logp.grad[0].tolist() == pytest.approx([0.0, -1.5 * 2 / 3, 0.0, 0.8 / 3 + kl_grad], abs=1e-6)
+    assert loss.item() == pytest.approx((-1.5 * 2 + 0.8) / 3 + 0.2 * (math.exp(0.5) - 1.5) / 3, abs=1e-6)
+    assert m["clip/frac"] == 0 and m["ratio/mean"].item() == pytest.approx(1.0)
+    assert m["entropy/mean"].item() == pytest.approx(2.0) and m["is/token_gated_frac"].item() == pytest.approx(1 / 3)
+    assert m["is/ratio_max"].item() == pytest.approx(3.0)
+
+
+def test_actor_loss_without_correction_is_ppo_against_behaviour():
+    logp, behaviour, adv, mask = _case()
+    segs = torch.zeros_like(mask).long()
+    loss, m = actor_loss(logp, torch.zeros_like(logp), None, _mb(logp, behaviour, adv, mask, segs), 8, 1,
+                         TrainConfig(), IsCorrectionConfig())
+    assert loss.item() == pytest.approx(policy_loss(logp, behaviour, adv, mask, 8, 0.2, 0.28)[0].item())
+    assert "kl/ref_k3" not in m and "is/token_gated_frac" not in m and m["is/ratio_min"] > 0
+
+
+def test_combine_sums_and_keeps_extremes():
+    t = combine({}, {"a": torch.tensor(1.0), "x_min": torch.tensor(2.0), "x_max": torch.tensor(2.0)})
+    t = combine(t, {"a": torch.tensor(0.5), "x_min": torch.tensor(1.0), "x_max": torch.tensor(1.0)})
+    assert {k: v.item() for k, v in t.items()} == {"a": 1.5, "x_min": 1.0, "x_max": 2.0}
