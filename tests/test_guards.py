@@ -25,7 +25,7 @@ def base(tmp_path_factory) -> list[str]:
     for name, vocab in (("tok_student", 512), ("tok_other", 300)):  # model dirs with tokenizers, no weights
         build_tokenizer(tmp / name, vocab_size=vocab)
         (tmp / name / "config.json").write_text(json.dumps(tiny_config()))
-    return [f"task.train_path={tmp}/train.jsonl", f"task.eval_path={tmp}/eval.jsonl", "agent.module=json",
+    return [f"task.train_path={tmp}/train.jsonl", f"task.eval_path={tmp}/eval.jsonl", "agent.module=experiments.quickstart.task",
             f"assets_dir={tmp}"]
 
 
@@ -65,7 +65,9 @@ CASES = [
     ("sync_path", ["engine.sync=rsync"], "engine.sync='rsync'"),
     ("engines", ["engine.num_engines=0"], "engine.num_engines=0"),
     ("context_fits", ["agent.max_total_tokens=4096"], "engine.max_model_len=512"),
-    ("agent_mode", ["agent.mode=chat"], "agent.mode='chat'"),
+    ("agent_mode", ["agent.mode=telepathy"], "agent.mode='telepathy'"),
+    ("agent_module", ["agent.mode=chat"], "to define run_agent"),
+    ("agent_module", ["agent=chat", "agent.module=experiments.quickstart.task"], "to define run_agent"),
     ("agent_module", ["agent.module=no_such_package.task"], "agent.module=no_such_package.task"),
     ("task_files", ["task.train_path=/no/train.jsonl"], "task.train_path=/no/train.jsonl"),
     ("task_files", ["eval.every=5", "task.eval_path=/no/eval.jsonl"], "task.eval_path=/no/eval.jsonl"),

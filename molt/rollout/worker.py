@@ -15,6 +15,7 @@ import traceback
 
 import ray
 
+from molt.agents.chat_agent import load_agent, run_chat_group
 from molt.agents.env import run_group
 from molt.data import DataStream, load_jsonl
 from molt.rollout.engine import EngineClient, EngineDied
@@ -34,7 +35,11 @@ class RolloutWorker:
         self.cfg, self.queue = cfg, queue
         self.router = Router([EngineClient(name, url, cfg.engine.request_timeout_s) for name, url in engines])
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.make_env = importlib.import_module(cfg.agent.module).make_env
+        module = importlib.import_module(cfg.agent.module)
+        if cfg.agent.mode == "chat":  # the user's SDK agent, served by the loopback chat server
+            self.run_group, self.agent = run_chat_group, load_agent(module)
+        else:  # env: the framework drives the turns through the module's make_env
+            self.run_group, self.agent = run_group, module.make_env
         self.stream = DataStream(load_jsonl(cfg.task.train_path), seed=cfg.seed)
         self.credits, self.wake = initial_credits, asyncio.Event()
         self.task = None
@@ -72,7 +77,7 @@ class RolloutWorker:
 
     async def _group(self, index: int, sample: dict):
         t0 = time.time()
-        group = await run_group(self.router.generate, self.tokenizer, self.make_env, sample, f"g{index}",
+        group = await self.run_group(self.router.generate, self.tokenizer, self.agent, sample, f"g{index}",
                                 self.cfg.rollout.n, self.cfg.agent, sampling_params(self.cfg.rollout),
                                 release=self.router.release)
         group.index = index
@@ -84,8 +89,8 @@ class RolloutWorker:
         rows = load_jsonl(path)[:max_samples]
         sampling = sampling_params(self.cfg.rollout, temperature)
         groups = await asyncio.gather(*[
-            run_group(self.router.generate, self.tokenizer, self.make_env, row, f"eval{i}", 1, self.cfg.agent, sampling,
-                      release=self.router.release)
+            self.run_group(self.router.generate, self.tokenizer, self.agent, row, f"eval{i}", 1, self.cfg.agent,
+                           sampling, release=self.router.release)
             for i, row in enumerate(rows)])
         rewards = [r.reward for g in groups for r in g.rollouts]
         return {"eval/reward": sum(rewards) / max(len(rewards), 1), "eval/samples": float(len(rewards))}

@@ -1,0 +1,138 @@
+"""ChatAgent mode: existing OpenAI- or Anthropic-SDK agent code runs verbatim; Molt records its model calls.
+
+The contract of a user module (`agent.mode=chat agent.module=experiments.calculator.agent`):
+
+    def run_agent(ctx: ChatContext) -> float | tuple[float, dict[str, float]]
+        # async, or sync (then it runs in a thread, so the blocking SDK clients work)
+        client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key)
+        reply = await client.chat.completions.create(model=ctx.model, messages=ctx.messages, ...)
+        # or anthropic.AsyncAnthropic(base_url=ctx.anthropic_base_url, api_key=ctx.api_key)
+        return reward                                  # optionally (reward, info)
+
+Every rollout gets its own session on the worker's loopback chat server (chat_server.py); the
+rollout's trajectory is what the server recorded: one segment, or several when the agent compacted
+its context. All segments share the rollout's id and reward.
+
+Status: "ok"; "truncated" when the server refused a request for a budget (agent.max_turns or
+agent.max_total_tokens) -- if the agent then raised, its reward is 0.0; "failed" when the agent
+raised otherwise, returned something that is not a reward, ran past agent.timeout_s, or never
+called the model. A failure of the server or engine (not the agent's fault) propagates.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from molt.agents.chat_server import close_session, open_session, shared_server
+from molt.agents.env import Generate
+from molt.config import AgentConfig
+from molt.types import Group, Rollout
+
+log = logging.getLogger(__name__)
+_THREADS = ThreadPoolExecutor(max_workers=256, thread_name_prefix="molt-chat-agent")  # sync agents; lazy threads
+
+
+@dataclass
+class ChatContext:
+    """What an agent gets. Keys and URLs are valid for this rollout only."""
+
+    base_url: str  # OpenAI SDK base_url (".../v1")
+    anthropic_base_url: str  # Anthropic SDK base_url (the session root; the SDK adds "/v1/messages")
+    api_key: str
+    model: str
+    sample: dict  # the dataset row: {"messages": [...], task fields}
+    max_tokens: int  # agent.max_tokens_per_turn: the most one reply can hold
+    max_turns: int  # agent.max_turns: the most model calls one rollout can make
+    rollout_id: str
+
+    @property
+    def messages(self) -> list[dict]:
+        return list(self.sample["messages"])
+
+
+class AgentError(Exception):
+    """The agent raised or returned something that is not a reward."""
+
+
+def _is_async(fn: Callable) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+async def _call_agent(agent_fn: Callable, ctx: ChatContext) -> tuple[float, dict]:
+    try:
+        if _is_async(agent_fn):
+            out = await agent_fn(ctx)
+        else:
+            out = await asyncio.get_running_loop().run_in_executor(_THREADS, agent_fn, ctx)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        raise AgentError(f"{type(e).__name__}: {e}") from e
+    reward, info = out if isinstance(out, tuple) and len(out) == 2 else (out, {})
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        raise AgentError(f"run_agent must return a finite reward or (reward, info), got {out!r}")
+    return float(reward), {k: float(v) for k, v in dict(info).items()}
+
+
+async def run_chat_rollout(generate: Generate, tokenizer, agent_fn: Callable, sample: dict, rollout_id: str,
+                           group_id: str, agent_cfg: AgentConfig, sampling: dict,
+                           release: Callable[[str], None] | None = None) -> Rollout:
+    """One rollout of the user's agent against its own session; `release` is called when it ends."""
+    srv = await shared_server()
+    s = open_session(srv, rollout_id, generate, tokenizer, agent_cfg, sampling)
+    root = f"{srv.url}/s/{s.sid}"
+    ctx = ChatContext(f"{root}/v1", root, s.key, srv.model, sample, agent_cfg.max_tokens_per_turn,
+                      agent_cfg.max_turns, rollout_id)
+    ro = Rollout(rollout_id=rollout_id, group_id=group_id)
+    timeout = agent_cfg.timeout_s or None  # agent.timeout_s: wall-clock bound of one rollout
+    try:
+        ro.reward, ro.info = await asyncio.wait_for(_call_agent(agent_fn, ctx), timeout)
+    except (AgentError, asyncio.TimeoutError) as e:
+        ro.status = "truncated" if s.refused and isinstance(e, AgentError) else "failed"  # reward stays 0.0
+        log.warning("rollout %s %s: %s", rollout_id, ro.status, str(e) or f"ran past agent.timeout_s={timeout}",
+                    exc_info=e.__cause__ if ro.status == "failed" else None)
+    finally:
+        ro.segments = close_session(srv, s)
+        if release is not None:
+            release(rollout_id)
+    if s.error is not None:
+        raise s.error
+    return _finish(ro, s.turns, s.refused)
+
+
+def _finish(ro: Rollout, turns: int, refused: int) -> Rollout:
+    if ro.status == "ok" and refused:
+        ro.status = "truncated"
+    if ro.status != "failed" and not ro.segments:
+        log.warning("rollout %s failed: the agent never called the model", ro.rollout_id)
+        ro.status = "failed"
+    if ro.status == "failed":
+        ro.reward, ro.info["failed"] = 0.0, 1.0
+    ro.info.update(turns=float(turns), segments=float(len(ro.segments)), refused=float(refused),
+                   gen_tokens=float(sum(x.num_generated for x in ro.segments)),
+                   tokens=float(sum(len(x.token_ids) for x in ro.segments)))
+    return ro
+
+
+async def run_chat_group(router_generate: Generate, tokenizer, agent_fn: Callable, sample: dict, group_id: str,
+                         n: int, agent_cfg: AgentConfig, sampling: dict,
+                         release: Callable[[str], None] | None = None) -> Group:
+    """n rollouts of one sample, concurrently; rollout ids are f"{group_id}/{i}" (as in env mode)."""
+    rollouts = await asyncio.gather(*(run_chat_rollout(router_generate, tokenizer, agent_fn, sample,
+                                                       f"{group_id}/{i}", group_id, agent_cfg, sampling, release)
+                                      for i in range(n)))
+    return Group(group_id=group_id, sample=sample, rollouts=list(rollouts))
+
+
+def load_agent(module: Any) -> Callable:
+    """The `run_agent` of an imported agent.module, checked (for the worker and the guard rails)."""
+    fn = getattr(module, "run_agent", None)
+    if not callable(fn):
+        raise AttributeError(f"agent.mode=chat needs agent.module={module.__name__} to define run_agent(ctx) "
+                             f"(see molt/agents/chat_agent.py)")
+    return fn

@@ -1,0 +1,326 @@
+"""The loopback chat server of ChatAgent mode: OpenAI- and Anthropic-speaking agents, recorded token for token.
+
+One server per rollout worker (FastAPI on uvicorn, in the worker's own event loop, bound to
+127.0.0.1, port picked by the OS); one session per rollout:
+
+    srv = await start_server()                        # or: await shared_server(), one per event loop
+    s = open_session(srv, "g3/0", router.generate, tokenizer, agent_cfg, sampling)
+    OpenAI(base_url=f"{srv.url}/s/{s.sid}/v1", api_key=s.key)       # POST .../v1/chat/completions
+    Anthropic(base_url=f"{srv.url}/s/{s.sid}", api_key=s.key)       # POST .../v1/messages
+    close_session(srv, s); s.segments                 # the trajectory; later requests get 404
+
+Isolation: a session is addressed by a random id in the path *and* must present its own random key
+(`Authorization: Bearer` or `x-api-key`), so a rollout can never write into another's trajectory.
+Requests of one session are served one at a time, in arrival order.
+
+Token-exact accumulation. A session keeps the canonical messages behind its current segment (the
+last one being the reply it returned). A request whose conversation starts with exactly those
+messages and adds new, non-generated ones *extends* it: the new messages are appended as ids, a
+delta of the chat template (`render_delta`), after the ids the engine generated, which are never
+re-tokenized. Any other request (the agent summarised, dropped or edited turns, changed the system
+prompt or the tools, retried, or the template re-renders earlier turns) *compacts*: the current
+segment is sealed and a new one starts from the rendering of the whole request. Every reply's
+ids, behaviour log-probs and weight version are appended with loss mask 1. A request that fails
+(bad input, budget, engine error) appends nothing.
+
+Sampling and budgets. The rollout's sampling parameters (rollout.temperature/top_p/top_k) always
+win over a request's `temperature`/`top_p`: the actor recomputes log-probs at the configured
+temperature, so any other would make the importance ratios wrong. A request's `max_tokens` is capped
+by agent.max_tokens_per_turn (which is also the default) and by the room left under
+agent.max_total_tokens, the context budget of one request (prompt + reply). More than
+agent.max_turns requests, or a prompt that fills the context budget, are refused with a 400.
+
+Stop strings (`stop`, `stop_sequences`) are applied to the decoded reply: generation is not cut
+early, but the reply is cut at the first stop string and so are the recorded ids (at the token that
+completes it). Streaming: the reply is generated whole, then sent as stream events.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import socket
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from molt.agents import chat_wire as wire
+from molt.agents.env import Generate, TemplateError, render_delta, render_prompt
+from molt.config import AgentConfig
+from molt.rollout.engine import SERVED_NAME, EngineDied
+from molt.types import Completion, Segment
+
+log = logging.getLogger(__name__)
+
+
+class ChatError(Exception):
+    """A request refused with an HTTP status (the route answers in its protocol's error shape)."""
+
+    def __init__(self, status: int, message: str, code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+
+
+@dataclass
+class Session:
+    rollout_id: str
+    generate: Generate
+    tokenizer: Any
+    cfg: AgentConfig
+    sampling: dict
+    sid: str = field(default_factory=lambda: secrets.token_hex(8))
+    key: str = field(default_factory=lambda: secrets.token_hex(16))
+    segments: list[Segment] = field(default_factory=list)
+    history: list[dict] = field(default_factory=list)  # canonical messages behind segments[-1]
+    turns: int = 0  # replies generated
+    refused: int = 0  # requests refused for a budget (max_turns, context)
+    error: Optional[BaseException] = None  # a failure that is not the agent's: the runner re-raises it
+    closed: bool = False
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+# ---- accumulation ----
+
+
+def _decode(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def cut_at_stop(tokenizer, ids: list[int], stops: list[str]) -> tuple[int, str, Optional[str]]:
+    """(ids kept, reply text, stop string hit). Kept: the shortest prefix whose text holds a stop string."""
+    text = _decode(tokenizer, ids)
+    if not any(s in text for s in stops):
+        return len(ids), text, None
+    lo, hi = 1, len(ids)  # "the text holds a stop string" is monotone in the prefix length: bisect
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if any(s in _decode(tokenizer, ids[:mid]) for s in stops) else (mid + 1, hi)
+    text = _decode(tokenizer, ids[:lo])
+    at, stop = min((text.index(s), s) for s in stops if s in text)
+    return lo, text[:at], stop
+
+
+def _render(s: Session, convo: list[dict]) -> tuple[list[int], bool]:
+    """(prompt ids, fresh): extend the current segment by a template delta, or start a new one."""
+    n = len(s.history)
+    try:
+        if n and len(convo) > n and all(map(wire.same_message, s.history, convo)):
+            seg = s.segments[-1]
+            try:
+                delta = render_delta(s.tokenizer, wire.template_messages(convo[n:]), seg.token_ids[-1])
+                return seg.token_ids + delta, False
+            except TemplateError:
+                pass  # the template rewrites earlier turns once more follow: compact
+        return render_prompt(s.tokenizer, wire.template_messages(convo)), True
+    except Exception as e:  # the template raising on the request's messages (e.g. a role it refuses)
+        raise ChatError(400, f"the chat template cannot render these messages: {type(e).__name__}: {e}") from e
+
+
+def _refuse(s: Session, message: str, code: str) -> ChatError:
+    s.refused += 1
+    return ChatError(400, message, code)
+
+
+def _record(s: Session, prompt: list[int], fresh: bool, c: Completion, keep: int) -> None:
+    if fresh:
+        s.segments.append(Segment())
+    seg = s.segments[-1]
+    seg.append(prompt[len(seg.token_ids):])
+    seg.append(c.token_ids[:keep], generated=True, logprobs=c.logprobs[:keep], version=c.version)
+
+
+def _reply(text: str, stop: Optional[str], c: Completion, keep: int, tools_on: bool, n_prompt: int) -> wire.Reply:
+    content, calls = wire.parse_tool_calls(text) if tools_on else (text, [])
+    finish = "tool_calls" if calls else "stop" if stop is not None or c.finish_reason == "stop" else "length"
+    return wire.Reply(content, calls, finish, stop, prompt_tokens=n_prompt, completion_tokens=keep)
+
+
+async def complete(s: Session, convo: list[dict], max_tokens: Optional[int], stops: list[str],
+                   tools_on: bool) -> wire.Reply:
+    """Serve one request of a session: accumulate, generate, record, reply."""
+    async with s.lock:
+        if s.closed:
+            raise ChatError(404, f"session of rollout {s.rollout_id} has ended")
+        if s.turns >= s.cfg.max_turns:
+            raise _refuse(s, f"this rollout already made agent.max_turns={s.cfg.max_turns} requests", "max_turns")
+        prompt, fresh = _render(s, convo)
+        room = s.cfg.max_total_tokens - len(prompt)
+        if room < 1:
+            raise _refuse(s, f"the conversation is {len(prompt)} tokens and agent.max_total_tokens="
+                             f"{s.cfg.max_total_tokens} leaves no room to reply", "context_length_exceeded")
+        limit = min(max_tokens or s.cfg.max_tokens_per_turn, s.cfg.max_tokens_per_turn, room)
+        try:
+            c = await s.generate(s.rollout_id, prompt, limit, **s.sampling)
+        except EngineDied as e:
+            s.error = e
+            raise ChatError(503, f"the policy engine is gone: {e}") from e
+        if s.closed:  # the rollout ended while the engine worked: its trajectory is final
+            raise ChatError(404, f"session of rollout {s.rollout_id} has ended")
+        keep, text, stop = cut_at_stop(s.tokenizer, c.token_ids, [x for x in stops if x])
+        _record(s, prompt, fresh, c, keep)
+        s.turns += 1
+        reply = _reply(text, stop, c, keep, tools_on, len(prompt))
+        s.history = convo + [reply.message]
+        return reply
+
+
+# ---- the two protocols ----
+
+
+@dataclass
+class Wire:
+    schema: type
+    conversation: Callable[[Any], list[dict]]
+    options: Callable[[Any], dict]  # complete()'s max_tokens, stops, tools_on
+    response: Callable[[wire.Reply, str], dict]
+    events: Callable[[wire.Reply, str, Any], Iterator[str]]
+    error: Callable[[str, int, Optional[str]], dict]
+
+
+OPENAI = Wire(
+    wire.OAIRequest, wire.openai_conversation,
+    lambda r: dict(max_tokens=r.max_completion_tokens or r.max_tokens,
+                   stops=[r.stop] if isinstance(r.stop, str) else r.stop or [],
+                   tools_on=bool(r.tools) and r.tool_choice != "none"),
+    wire.openai_response,
+    lambda reply, model, r: wire.openai_chunks(reply, model, bool((r.stream_options or {}).get("include_usage"))),
+    wire.openai_error)
+ANTHROPIC = Wire(
+    wire.ARequest, wire.anthropic_conversation,
+    lambda r: dict(max_tokens=r.max_tokens, stops=r.stop_sequences or [],
+                   tools_on=bool(r.tools) and (r.tool_choice or {}).get("type") != "none"),
+    wire.anthropic_response,
+    lambda reply, model, r: wire.anthropic_events(reply, model),
+    lambda message, status, code=None: wire.anthropic_error(message, status))
+
+
+# ---- the server ----
+
+
+@dataclass
+class ChatServer:
+    model: str = SERVED_NAME  # the name /v1/models lists; replies echo the request's model
+    sessions: dict[str, Session] = field(default_factory=dict)
+    port: int = 0
+    server: Optional[uvicorn.Server] = None
+    task: Optional[asyncio.Task] = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def _session(srv: ChatServer, sid: str, request: Request) -> Session:
+    s = srv.sessions.get(sid)
+    if s is None:
+        raise ChatError(404, f"unknown session {sid!r}: it has ended or never existed")
+    key = request.headers.get("x-api-key") or request.headers.get("authorization", "").removeprefix("Bearer ")
+    if not secrets.compare_digest(key.strip().encode(), s.key.encode()):
+        raise ChatError(401, "wrong API key for this session (use the key the rollout was given)")
+    return s
+
+
+async def _serve(srv: ChatServer, sid: str, request: Request, w: Wire):
+    s = None
+    try:
+        s = _session(srv, sid, request)
+        req = wire.parse_request(w.schema, await request.body())
+        reply = await complete(s, w.conversation(req), **w.options(req))
+    except wire.WireError as e:
+        return JSONResponse(w.error(str(e), 400, None), status_code=400)
+    except ChatError as e:
+        return JSONResponse(w.error(e.message, e.status, e.code), status_code=e.status)
+    except Exception as e:  # a server-side failure: answer 500, and the runner re-raises it (not the agent's fault)
+        log.exception("chat server failed on a request of session %s", sid)
+        if s is not None and s.error is None:
+            s.error = e
+        return JSONResponse(w.error(f"internal error: {type(e).__name__}: {e}", 500, None), status_code=500)
+    model = req.model or srv.model
+    if req.stream:
+        return StreamingResponse(w.events(reply, model, req), media_type="text/event-stream")
+    return JSONResponse(w.response(reply, model))
+
+
+def build_app(srv: ChatServer) -> FastAPI:
+    app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+
+    @app.get("/s/{sid}/v1/models")
+    async def models(sid: str, request: Request):
+        try:
+            _session(srv, sid, request)
+        except ChatError as e:
+            return JSONResponse(wire.openai_error(e.message, e.status), status_code=e.status)
+        return {"object": "list", "data": [{"id": srv.model, "object": "model", "created": 0, "owned_by": "molt"}]}
+
+    @app.post("/s/{sid}/v1/chat/completions")
+    async def chat_completions(sid: str, request: Request):
+        return await _serve(srv, sid, request, OPENAI)
+
+    @app.post("/s/{sid}/v1/messages")
+    async def messages(sid: str, request: Request):
+        return await _serve(srv, sid, request, ANTHROPIC)
+
+    return app
+
+
+async def start_server(model: str = SERVED_NAME) -> ChatServer:
+    """Serve on 127.0.0.1 (a free port) inside the running event loop; returns once it accepts connections."""
+    srv = ChatServer(model)
+    # proto IPPROTO_TCP, not the default 0: asyncio sets TCP_NODELAY only on sockets that say TCP, and
+    # accepted sockets inherit it; without it every reply waits ~40 ms for a delayed ACK (Nagle)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    srv.port = sock.getsockname()[1]
+    # log_config=None: leave the process's logging alone; lifespan off: the app has no startup hooks
+    config = uvicorn.Config(build_app(srv), log_config=None, access_log=False, lifespan="off", timeout_keep_alive=30)
+    srv.server = uvicorn.Server(config)
+    srv.task = asyncio.create_task(srv.server.serve(sockets=[sock]))
+    while not srv.server.started:
+        if srv.task.done():
+            srv.task.result()  # raises what stopped the server from starting
+            raise RuntimeError("the chat server exited while starting")
+        await asyncio.sleep(0.005)
+    return srv
+
+
+async def stop_server(srv: ChatServer) -> None:
+    srv.server.should_exit = True
+    await srv.task
+
+
+_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> Future[ChatServer]
+
+
+async def shared_server() -> ChatServer:
+    """The running event loop's server, started on first use: one per rollout worker."""
+    loop = asyncio.get_running_loop()
+    if loop not in _SHARED:
+        _SHARED[loop] = asyncio.ensure_future(start_server())
+    return await asyncio.shield(_SHARED[loop])
+
+
+async def stop_shared_server() -> None:
+    fut = _SHARED.pop(asyncio.get_running_loop(), None)
+    if fut is not None:
+        await stop_server(await fut)
+
+
+def open_session(srv: ChatServer, rollout_id: str, generate: Generate, tokenizer, cfg: AgentConfig,
+                 sampling: dict) -> Session:
+    assert cfg.max_turns >= 1 and cfg.max_tokens_per_turn >= 1, "set agent.max_turns, agent.max_tokens_per_turn >= 1"
+    s = Session(rollout_id, generate, tokenizer, cfg, dict(sampling))
+    srv.sessions[s.sid] = s
+    return s
+
+
+def close_session(srv: ChatServer, s: Session) -> list[Segment]:
+    """End a session: later requests get 404 and its segments are final."""
+    s.closed = True
+    srv.sessions.pop(s.sid, None)
+    for seg in s.segments:
+        seg.check()
+    return s.segments

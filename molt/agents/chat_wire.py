@@ -1,0 +1,337 @@
+"""Wire formats of the loopback chat server (molt/agents/chat_server.py).
+
+OpenAI Chat Completions and Anthropic Messages requests are decoded into one canonical
+conversation, a list of plain dicts:
+
+    {"role": "system" | "user" | "assistant" | "tool", "content": str,
+     "tool_calls": [{"id": str, "name": str, "arguments": dict | str}]}   # assistant only, optional
+
+and a `Reply` (built from the engine's tokens) is encoded back as either protocol, whole or as
+server-sent events. Nothing here touches tokens: that is the server's job.
+
+Tools. The tiny test tokenizer's ChatML template has no tools section, so tools are rendered
+into the system prompt in a Hermes/Qwen-style format (TOOLS_PROMPT): one JSON signature per line
+inside <tools></tools>, and the model calls a tool by writing
+
+    <tool_call>
+    {"name": "calculator", "arguments": {"expression": "2+3"}}
+    </tool_call>
+
+A generation becomes tool calls only when every <tool_call> block in it holds such a JSON object;
+otherwise the whole generation comes back as text. Assistant turns with tool calls that have to
+be re-rendered (compaction) are written back in the same format; tool results are `tool` messages.
+"""
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+TOOLS_PROMPT = ("# Tools\n\nFunction signatures, one per line:\n<tools>\n{tools}\n</tools>\n\nTo call a function, write:\n"
+                "<tool_call>\n{{\"name\": <function name>, \"arguments\": <JSON object>}}\n</tool_call>")
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+class WireError(ValueError):
+    """A request the protocol rejects: answered 400 in the protocol's own error shape."""
+
+
+# ---- request schemas (strict: a string where a number belongs is an error, as with the real APIs) ----
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class OAIFunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class OAIToolCall(_Strict):
+    id: str = ""
+    type: str = "function"
+    function: OAIFunctionCall
+
+
+class OAIMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[dict], None] = None
+    tool_calls: Optional[list[OAIToolCall]] = None
+    tool_call_id: Optional[str] = None
+
+
+class FunctionDef(_Strict):
+    name: str
+    description: str = ""
+    parameters: dict = Field(default_factory=dict)
+
+
+class OAITool(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class OAIRequest(_Strict):
+    model: str = ""
+    messages: list[OAIMessage] = Field(min_length=1)
+    tools: Optional[list[OAITool]] = None
+    tool_choice: Union[str, dict, None] = None
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    stop: Union[str, list[str], None] = None
+    n: Optional[int] = Field(1, ge=1, le=1)  # one rollout is one trajectory
+    stream: bool = False
+    stream_options: Optional[dict] = None
+
+
+class AToolDef(_Strict):
+    name: str
+    description: str = ""
+    input_schema: dict = Field(default_factory=dict)
+
+
+class AMessage(_Strict):
+    role: Literal["user", "assistant"]
+    content: Union[str, list[dict]]
+
+
+class ARequest(_Strict):
+    model: str = ""
+    max_tokens: int = Field(ge=1)  # required by the protocol
+    messages: list[AMessage] = Field(min_length=1)
+    system: Union[str, list[dict], None] = None
+    tools: Optional[list[AToolDef]] = None
+    tool_choice: Optional[dict] = None
+    stop_sequences: Optional[list[str]] = None
+    temperature: Optional[float] = Field(None, ge=0, le=1)
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    stream: bool = False
+
+
+def parse_request(schema: type[BaseModel], body: bytes) -> Any:
+    """Validate a JSON body against a schema; malformed JSON and wrong types both raise WireError."""
+    try:
+        return schema.model_validate_json(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "body"
+        raise WireError(f"{where}: {err['msg']}") from None
+
+
+# ---- requests -> canonical conversation ----
+
+
+def _text(content, where: str) -> str:
+    """Message content (a string or a list of text parts/blocks) as one string."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for p in content:
+        if p.get("type") != "text" or not isinstance(p.get("text"), str):
+            raise WireError(f"{where}: only text content is supported, got a {p.get('type')!r} part")
+        parts.append(p["text"])
+    return "".join(parts)
+
+
+def _arguments(raw):
+    """Tool-call arguments as a dict when they are a JSON object (compared by value, not by spelling)."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError:
+            return raw
+    return raw
+
+
+def with_tools(msgs: list[dict], tools: list[dict]) -> list[dict]:
+    """Fold the tool signatures into the system message (a new one when there is none)."""
+    if not tools:
+        return msgs
+    section = TOOLS_PROMPT.format(tools="\n".join(json.dumps({"type": "function", "function": t}) for t in tools))
+    if msgs and msgs[0]["role"] == "system":
+        return [{"role": "system", "content": f"{msgs[0]['content']}\n\n{section}"}] + msgs[1:]
+    return [{"role": "system", "content": section}] + msgs
+
+
+def openai_conversation(req: OAIRequest) -> list[dict]:
+    msgs = []
+    for i, m in enumerate(req.messages):
+        c = {"role": "system" if m.role == "developer" else m.role, "content": _text(m.content, f"messages.{i}")}
+        if m.role == "assistant" and m.tool_calls:
+            c["tool_calls"] = [{"id": t.id, "name": t.function.name, "arguments": _arguments(t.function.arguments)}
+                               for t in m.tool_calls]
+        msgs.append(c)
+    return with_tools(msgs, [t.function.model_dump() for t in req.tools or []])
+
+
+def _anthropic_blocks(role: str, content, where: str) -> list[dict]:
+    """One Anthropic message as canonical messages: tool_result blocks become `tool` messages."""
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    out, text, calls = [], [], []
+    for j, b in enumerate(content):
+        kind = b.get("type")
+        if kind == "text" and isinstance(b.get("text"), str):
+            text.append(b["text"])
+        elif kind == "tool_use" and role == "assistant" and isinstance(b.get("name"), str):
+            calls.append({"id": str(b.get("id", "")), "name": b["name"], "arguments": b.get("input", {})})
+        elif kind == "tool_result" and role == "user":
+            result = _text(b.get("content"), f"{where}.content.{j}.content")
+            out.append({"role": "tool", "content": ("Error: " if b.get("is_error") else "") + result})
+        else:
+            raise WireError(f"{where}.content.{j}: unsupported or malformed {kind!r} block for role {role}")
+    if text or calls or not out:
+        out.append({"role": role, "content": "".join(text)} | ({"tool_calls": calls} if calls else {}))
+    return out
+
+
+def anthropic_conversation(req: ARequest) -> list[dict]:
+    msgs = [{"role": "system", "content": _text(req.system, "system")}] if req.system else []
+    for i, m in enumerate(req.messages):
+        msgs += _anthropic_blocks(m.role, m.content, f"messages.{i}")
+    return with_tools(msgs, [{"name": t.name, "description": t.description, "parameters": t.input_schema}
+                              for t in req.tools or []])
+
+
+def same_message(a: dict, b: dict) -> bool:
+    """Equal for accumulation: role, content and tool calls by (name, arguments); ids may be rewritten."""
+    calls = lambda m: [(t["name"], json.dumps(t["arguments"], sort_keys=True)) for t in m.get("tool_calls", [])]
+    return a["role"] == b["role"] and a["content"] == b["content"] and calls(a) == calls(b)
+
+
+def template_messages(msgs: list[dict]) -> list[dict]:
+    """Canonical messages as plain {role, content} for the chat template; tool calls written as text."""
+    out = []
+    for m in msgs:
+        text = m["content"]
+        for t in m.get("tool_calls", []):
+            call = json.dumps({"name": t["name"], "arguments": t["arguments"]})
+            text += f"{chr(10) if text else ''}<tool_call>\n{call}\n</tool_call>"
+        out.append({"role": m["role"], "content": text})
+    return out
+
+
+# ---- generated text -> reply ----
+
+
+@dataclass
+class Reply:
+    """One assistant turn, protocol-neutral. finish: stop | length | tool_calls."""
+
+    text: str
+    tool_calls: list[dict] = field(default_factory=list)
+    finish: str = "stop"
+    stop_sequence: Optional[str] = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    id: str = field(default_factory=lambda: secrets.token_hex(12))
+
+    @property
+    def message(self) -> dict:
+        """The canonical assistant message, as the agent will send it back."""
+        return {"role": "assistant", "content": self.text} | ({"tool_calls": self.tool_calls} if self.tool_calls else {})
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
+    """(content, calls) from generated text; (text, []) unless every <tool_call> block parses."""
+    calls = []
+    for body in TOOL_CALL.findall(text):
+        try:
+            obj = json.loads(body)
+        except json.JSONDecodeError:
+            return text, []
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return text, []
+        args = _arguments(obj.get("arguments", {}))
+        if not isinstance(args, dict):
+            return text, []
+        calls.append({"id": f"call_{secrets.token_hex(8)}", "name": obj["name"], "arguments": args})
+    return (TOOL_CALL.sub("", text).strip(), calls) if calls else (text, [])
+
+
+# ---- reply -> OpenAI ----
+
+
+def openai_response(r: Reply, model: str) -> dict:
+    msg = {"role": "assistant", "content": r.text or (None if r.tool_calls else "")}
+    if r.tool_calls:
+        msg["tool_calls"] = [{"id": t["id"], "type": "function",
+                              "function": {"name": t["name"], "arguments": json.dumps(t["arguments"])}}
+                             for t in r.tool_calls]
+    usage = {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
+             "total_tokens": r.prompt_tokens + r.completion_tokens}
+    return {"id": f"chatcmpl-{r.id}", "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": msg, "finish_reason": r.finish, "logprobs": None}], "usage": usage}
+
+
+def openai_chunks(r: Reply, model: str, include_usage: bool) -> Iterator[str]:
+    """The reply as `chat.completion.chunk` events: role, content, one chunk per tool call, finish."""
+    full = openai_response(r, model)
+    msg, head = full["choices"][0]["message"], {k: full[k] for k in ("id", "created", "model")}
+    deltas = [{"role": "assistant", "content": ""}] + ([{"content": msg["content"]}] if msg["content"] else [])
+    deltas += [{"tool_calls": [dict(t, index=i)]} for i, t in enumerate(msg.get("tool_calls", []))]
+    for d in deltas + [{}]:
+        choice = {"index": 0, "delta": d, "finish_reason": None if d else r.finish, "logprobs": None}
+        yield _sse({**head, "object": "chat.completion.chunk", "choices": [choice]})
+    if include_usage:
+        yield _sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": full["usage"]})
+    yield "data: [DONE]\n\n"
+
+
+def openai_error(message: str, status: int, code: Optional[str] = None) -> dict:
+    kind = {401: "authentication_error", 404: "not_found_error"}.get(status, "invalid_request_error")
+    return {"error": {"message": message, "type": kind if status < 500 else "server_error", "param": None,
+                      "code": code}}
+
+
+# ---- reply -> Anthropic ----
+
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def anthropic_response(r: Reply, model: str) -> dict:
+    content = [{"type": "text", "text": r.text}] if r.text or not r.tool_calls else []
+    content += [{"type": "tool_use", "id": t["id"], "name": t["name"], "input": t["arguments"]} for t in r.tool_calls]
+    reason = "stop_sequence" if r.stop_sequence is not None else STOP_REASONS[r.finish]
+    return {"id": f"msg_{r.id}", "type": "message", "role": "assistant", "model": model, "content": content,
+            "stop_reason": reason, "stop_sequence": r.stop_sequence,
+            "usage": {"input_tokens": r.prompt_tokens, "output_tokens": r.completion_tokens}}
+
+
+def anthropic_events(r: Reply, model: str) -> Iterator[str]:
+    """The reply as named Messages stream events; each block is sent whole in one delta."""
+    full = anthropic_response(r, model)
+    start = {**full, "content": [], "stop_reason": None, "stop_sequence": None,
+             "usage": {"input_tokens": r.prompt_tokens, "output_tokens": 0}}
+    yield _sse({"type": "message_start", "message": start}, "message_start")
+    for i, b in enumerate(full["content"]):
+        text = b["type"] == "text"
+        empty = {"type": "text", "text": ""} if text else {**b, "input": {}}
+        delta = {"type": "text_delta", "text": b["text"]} if text else {"type": "input_json_delta",
+                                                                        "partial_json": json.dumps(b["input"])}
+        yield _sse({"type": "content_block_start", "index": i, "content_block": empty}, "content_block_start")
+        yield _sse({"type": "content_block_delta", "index": i, "delta": delta}, "content_block_delta")
+        yield _sse({"type": "content_block_stop", "index": i}, "content_block_stop")
+    delta = {"stop_reason": full["stop_reason"], "stop_sequence": full["stop_sequence"]}
+    yield _sse({"type": "message_delta", "delta": delta, "usage": {"output_tokens": r.completion_tokens}},
+               "message_delta")
+    yield _sse({"type": "message_stop"}, "message_stop")
+
+
+def anthropic_error(message: str, status: int) -> dict:
+    kind = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large"}.get(status)
+    return {"type": "error", "error": {"type": kind or ("invalid_request_error" if status < 500 else "api_error"),
+                                       "message": message}}
+
+
+def _sse(obj: dict, event: Optional[str] = None) -> str:
+    return (f"event: {event}\n" if event else "") + f"data: {json.dumps(obj)}\n\n"
