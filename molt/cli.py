@@ -9,6 +9,7 @@ A config error prints one line, `molt: config error: <message>`, and exits with 
 """
 from __future__ import annotations
 
+import signal
 import sys
 
 import hydra
@@ -87,6 +88,9 @@ def task(cfg: DictConfig) -> None:
     from molt.loop import run  # heavy imports (torch, vllm, ray) only for a real run
     from molt.rollout.engine import EngineDied
 
+    # SIGTERM (a scheduler, `kill`) unwinds like Ctrl-C, so every `finally` stops what it started,
+    # engines included, even while they are still starting
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         run(cfg)
     except EngineDied as e:  # everything is shut down by now; the last checkpoint is intact

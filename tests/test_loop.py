@@ -124,3 +124,26 @@ def test_chat_agent_mode_trains_through_the_loop(tmp_path):
     assert max(hist("mismatch/logprob_abs_max")) <= 1e-4, "the chat path recorded exactly what the engine sampled"
     rows = [json.loads(line) for line in open(tmp_path / "dump" / "rollouts.jsonl")]
     assert len(rows) == 2 * 2 * 4 and all(any(s["loss_mask"]) for r in rows for s in r["segments"])
+
+
+def test_sigterm_while_engines_start_leaves_no_orphans(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled")
+    proc = subprocess.Popen([sys.executable, "-m", "molt", *SMALL, f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        family, deadline = [], time.time() + 120
+        while not any("vllm.entrypoints" in " ".join(p.cmdline()) for p in family) and time.time() < deadline:
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            time.sleep(0.5)
+            family = psutil.Process(proc.pid).children(recursive=True)
+        assert family, "the run started an engine"
+        time.sleep(3)  # the server is importing vLLM, long before it is healthy
+        family = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM
+    time.sleep(2)
+    assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], "no orphans"
