@@ -63,7 +63,9 @@ def plan(cfg) -> str:
              f"batch         {t.groups_per_step} groups x {r.n} samples = {d['samples_per_step']} rollouts/step, "
              f"max_lag {r.max_lag}, temperature {r.temperature}",
              f"steps         {t.steps}, lr {t.lr}, eval every {cfg.eval.every or 'never'}, weight sync {e.sync}"]
-    return "\n".join(lines)
+    from molt.actor.planner import dry_run_text  # torch + transformers: the meta model on a fake process group
+
+    return "\n".join(lines + [dry_run_text(cfg)])
 
 
 def fail(msg: str) -> None:

@@ -109,6 +109,8 @@ class TrainConfig:
     save_every: int = 0  # checkpoint every N steps (0 = only at the end)
     dump_rollouts: Optional[str] = None  # directory: write every trained group as JSONL
     num_threads: int = 0  # torch intra-op threads for the actor (0 = torch default)
+    activation_checkpointing: bool = False  # recompute decoder layers in backward (GPU memory; see actor/speed.py)
+    compile: bool = False  # torch.compile the decoder layers and the log-prob head (GPU speed; see actor/speed.py)
     routing_replay: bool = False
 
 
@@ -143,6 +145,7 @@ class ClusterConfig:
     num_nodes: int = 1
     gpus_per_node: int = 0  # 0 = CPU
     actor_ranks: int = 1  # processes of the actor (must equal the layout's world size)
+    gpu_memory_gib: float = 80.0  # per GPU; the dry-run planner flags a layout that needs more
 
 
 @dataclass

@@ -279,20 +279,40 @@ def batch_fits_inflight(cfg, hf):
                 f"{cfg.rollout.max_inflight_groups}: a step could never fill; raise max_inflight_groups")
 
 
-def parallel_not_ready(cfg, hf):
-    if world_size(cfg) > 1:
-        return (f"a parallel actor layout (world size {world_size(cfg)} from fsdp.dp_size/ep_size/cp_size) is not "
-                "available yet: run with fsdp.dp_size=fsdp.ep_size=fsdp.cp_size=1 and cluster.actor_ranks=1")
+def ranks_fit_cluster(cfg, hf):
+    c = cfg.cluster
+    if c.gpus_per_node > 0 and c.actor_ranks > c.num_nodes * c.gpus_per_node:
+        return (f"cluster.actor_ranks={c.actor_ranks} > cluster.num_nodes*gpus_per_node = {c.num_nodes * c.gpus_per_node}"
+                ": each actor rank needs its own GPU; shrink the fsdp sizes or add nodes (cluster.num_nodes)")
 
 
-# Order matters: the model guards come before anything that reads the model's config, and the
-# catch-all `parallel_not_ready` comes last so that the specific layout errors are reported first.
-GUARDS = [fsdp_sizes, fsdp_offload, layout_matches_ranks, model_recipe, model_dir, ep_on_dense, ep_divides_experts,
+def micro_batch_rows(cfg, hf):
+    if cfg.train.micro_batch_rows < 1:
+        return f"train.micro_batch_rows={cfg.train.micro_batch_rows}: a micro-batch needs at least 1 row"
+
+
+def cp_splits_rows(cfg, hf):
+    cp, t = cfg.fsdp.cp_size, cfg.train.row_tokens
+    if cp > 1 and t % (2 * cp):
+        return (f"fsdp.cp_size={cp} splits every packed row into 2*cp_size = {2 * cp} load-balanced chunks, but "
+                f"train.row_tokens={t} is not a multiple of {2 * cp}: set train.row_tokens to a multiple of {2 * cp}")
+
+
+def cp_full_attention(cfg, hf):
+    if cfg.fsdp.cp_size > 1 and hf.get("use_sliding_window"):
+        return (f"fsdp.cp_size={cfg.fsdp.cp_size} but model={cfg.model.name} uses sliding-window attention, which "
+                "context parallelism does not implement: set fsdp.cp_size=1")
+
+
+# Order matters: the layout guards come first, and the model guards come before anything that reads the
+# model's config.
+GUARDS = [fsdp_sizes, fsdp_offload, layout_matches_ranks, ranks_fit_cluster, micro_batch_rows, cp_splits_rows,
+          model_recipe, model_dir, ep_on_dense, ep_divides_experts,
           cpu_head_dim, estimator_known, group_baseline_needs_group, opd_teacher, gae_params, kl_coef,
           is_correction_names, is_correction_band, is_correction_seq_mode, filter_needs_group, max_lag, temperature,
           replay_needs_experts,
           replay_needs_routes, routes_need_gpu, sync_path, engines, context_fits, agent_mode, agent_module,
-          task_files, batch_fits_inflight, parallel_not_ready]
+          task_files, batch_fits_inflight, cp_full_attention]
 
 
 def check(cfg: Any) -> None:

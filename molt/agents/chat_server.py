@@ -51,6 +51,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from molt.agents import chat_wire as wire
 from molt.agents.env import Generate, TemplateError, render_delta, render_prompt
 from molt.config import AgentConfig
+from molt.rollout import routes
 from molt.rollout.engine import SERVED_NAME, EngineDied
 from molt.types import Completion, Segment
 
@@ -131,6 +132,7 @@ def _record(s: Session, prompt: list[int], fresh: bool, c: Completion, keep: int
     seg = s.segments[-1]
     seg.append(prompt[len(seg.token_ids):])
     seg.append(c.token_ids[:keep], generated=True, logprobs=c.logprobs[:keep], version=c.version)
+    routes.attach(seg, c.routed_experts)  # the prompt was this segment's prefix
 
 
 def _reply(text: str, stop: Optional[str], c: Completion, keep: int, tools_on: bool, n_prompt: int) -> wire.Reply:

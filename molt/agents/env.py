@@ -40,6 +40,7 @@ import logging
 from typing import Any, Callable, Protocol
 
 from molt.config import AgentConfig
+from molt.rollout import routes
 from molt.types import Completion, Group, Rollout, Segment
 
 log = logging.getLogger(__name__)
@@ -133,6 +134,7 @@ async def _drive(ro: Rollout, generate: Generate, tokenizer, make_env, sample: d
         c = await generate(ro.rollout_id, list(seg.token_ids), budget, **sampling)
         assert c.token_ids, f"engine returned no tokens for rollout {ro.rollout_id}"
         seg.append(list(c.token_ids), generated=True, logprobs=c.logprobs, version=c.version)
+        routes.attach(seg, c.routed_experts)  # the call covered the whole segment: its routes replace older ones
         ro.info["turns"] = turn + 1.0
         obs, reward, done = await _step(env, tokenizer.decode(c.token_ids, skip_special_tokens=True))
         ro.reward += reward

@@ -13,9 +13,7 @@ engine reports "default", which is version 0: the checkpoint it was started from
 from __future__ import annotations
 
 import asyncio
-import base64
 import ctypes
-import io
 import os
 import shutil
 import signal
@@ -31,10 +29,10 @@ from pathlib import Path
 from typing import Iterator
 
 import httpx
-import numpy as np
 import torch
 
 from molt.config import EngineConfig
+from molt.rollout import routes
 from molt.types import Completion
 
 SERVED_NAME = "policy"
@@ -74,6 +72,7 @@ def server_cmd(cfg: EngineConfig, model_dir: str | Path, port: int) -> list[str]
            # would otherwise silently change the sampled distribution
            "--generation-config", "vllm",
            "--enable-scale-out",  # /inference/v1/generate: token ids in, token ids out
+           "--worker-extension-cls", "molt.rollout.vllm_ext.MoltWorker",  # molt_reload_weights (see vllm_ext.py)
            "--disable-uvicorn-access-log"]
     flags = {"--enforce-eager": cfg.enforce_eager, "--no-enable-prefix-caching": not cfg.enable_prefix_caching,
              "--enable-return-routed-experts": cfg.return_routed_experts}
@@ -223,9 +222,9 @@ def _oldest_version(spans: list[dict] | None) -> int:
     return min(versions) if versions else -1  # -1: no token was generated
 
 
-def decode_experts(b64: str | None) -> np.ndarray | None:
-    """Routed experts (num_tokens - 1, moe_layers, top_k) over prompt + output, from base64 .npy."""
-    return None if b64 is None else np.load(io.BytesIO(base64.b64decode(b64)))
+def _routes(ch: dict, num_tokens: int):
+    """(prompt + output, layers, top_k) routes when the engine returns them (engine.return_routed_experts)."""
+    return None if ch.get("routed_experts") is None else routes.decode(ch["routed_experts"], num_tokens)
 
 
 class EngineClient:
@@ -273,15 +272,16 @@ class EngineClient:
                   stop_token_ids=stop_token_ids or [], logprobs=0, detokenize=False)
         out = await self._call("POST", "/inference/v1/generate", json={"token_ids": token_ids, "sampling_params": sp})
         assert len(out["choices"]) == n, f"engine {self.name}: asked for {n} samples, got {len(out['choices'])}"
-        return [self._completion(ch) for ch in sorted(out["choices"], key=lambda ch: ch.get("index", 0))]
+        choices = sorted(out["choices"], key=lambda ch: ch.get("index", 0))
+        return [self._completion(ch, len(token_ids)) for ch in choices]
 
-    def _completion(self, ch: dict) -> Completion:
+    def _completion(self, ch: dict, num_prompt: int) -> Completion:
         ids = ch["token_ids"] or []
         content = (ch["logprobs"] or {}).get("content") or []
         logprobs = [c["logprob"] for c in content]  # logprobs=0: only the sampled token's
         assert len(logprobs) == len(ids), f"engine {self.name}: {len(ids)} tokens but {len(logprobs)} log-probs"
         return Completion(token_ids=ids, logprobs=logprobs, version=_oldest_version(ch.get("weight_versions")),
-                          finish_reason=ch["finish_reason"], routed_experts=decode_experts(ch.get("routed_experts")))
+                          finish_reason=ch["finish_reason"], routed_experts=_routes(ch, num_prompt + len(ids)))
 
     async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """log p(token_i | token_<i) for i >= 1 under the engine's current weights (a probe)."""
@@ -298,7 +298,7 @@ class EngineClient:
         await self._call("POST", "/resume")
 
     async def reload_weights(self, weights_dir: str | Path) -> None:
-        rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}}
+        rpc = {"method": "molt_reload_weights", "kwargs": {"weights_path": str(weights_dir)}}  # vllm_ext.py
         await self._call("POST", "/collective_rpc", json=rpc)
 
     async def reset_prefix_cache(self) -> None:

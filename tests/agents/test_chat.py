@@ -101,7 +101,7 @@ def constrained(client, regexes, greedy=False):
         sp = dict(max_tokens=max_tokens, temperature=0.0 if greedy else 1.0, n=1, logprobs=0, detokenize=False,
                   structured_outputs={"regex": regex})
         out = await client._call("POST", "/inference/v1/generate", json={"token_ids": token_ids, "sampling_params": sp})
-        return client._completion(out["choices"][0])
+        return client._completion(out["choices"][0], len(token_ids))
 
     return generate
 

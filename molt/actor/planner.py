@@ -1,0 +1,229 @@
+"""Dry-run memory planner: the per-rank memory of a parallel layout, without weights, GPUs or peers.
+
+    plan = plan_memory(cfg)          # cfg: the resolved run (RunConfig or its OmegaConf node)
+    print(format_plan(plan, cfg))    # `molt dry_run=true ...` prints this after the process plan
+
+The model is built on the meta device from its config.json, the real layout (`parallelize`) is applied
+on a fake process group of the layout's world size (collectives are no-ops, only rank 0 is simulated;
+FSDP2 gives rank 0 the largest shard, so it is the worst case), and every number below is read from the
+resulting local shards. Only activations are estimated, by a formula (`activation_bytes`).
+
+Bytes per sharded parameter element (AdamW): on GPU the sharded params are the fp32 master copy
+(bf16 only while gathered for compute), so params 4 + grads 4 + two AdamW moments 8 = 16 B;
+on CPU everything is in model.dtype. `fsdp.offload=optimizer` keeps all of these on the host
+(FSDP2 CPUOffloadPolicy: the optimizer step runs there), leaving the gathered layers on the GPU.
+Assumed, not measured: balanced expert routing (each ep rank computes its share, k x tokens on
+average; a skewed router sends more) and RUNTIME_GIB for the CUDA context, NCCL and fragmentation.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from molt.config import FsdpConfig
+
+GIB = 2**30
+RUNTIME_GIB = 3.0  # per GPU: CUDA context + NCCL buffers + allocator fragmentation (a rule of thumb)
+
+
+@dataclass
+class Plan:
+    layout: str  # "<model> <params>, dp 2 x ep 256 x cp 1 = 512 ranks on ..."
+    params: int  # parameter elements held by one rank (its shards)
+    expert_params: int  # ... of which routed-expert weights
+    tokens: int  # tokens per rank in one micro-batch
+    gpu: dict[str, float]  # what -> bytes on one GPU (or one rank's memory on CPU)
+    host: dict[str, float]  # what -> bytes on the host, per rank
+    notes: dict[str, str]  # what -> how it was counted
+    capacity_gib: float  # cluster.gpu_memory_gib (0 on CPU: nothing is checked)
+    ranks_per_node: int
+
+    @property
+    def gpu_total(self) -> float:
+        return sum(self.gpu.values())
+
+    @property
+    def fits(self) -> bool:
+        return not self.capacity_gib or self.gpu_total <= self.capacity_gib * GIB
+
+
+@contextmanager
+def fake_world(world_size: int):
+    """A default process group of `world_size` ranks that never communicates (this process is rank 0)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # importing it registers the "fake" backend
+
+    if dist.is_initialized():  # one default group per process: never replace the caller's
+        raise RuntimeError("the dry-run planner needs its own default process group: call it from a process "
+                           "where torch.distributed is not initialised (e.g. the `molt` driver)")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def meta_model(model_dir: str | Path) -> torch.nn.Module:
+    """The architecture of config.json with no storage behind its parameters."""
+    config = AutoConfig.from_pretrained(str(model_dir))
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def local_numel(t: torch.Tensor) -> int:
+    return (t.to_local() if isinstance(t, DTensor) else t).numel()
+
+
+def gathered_sizes(model) -> tuple[int, list[int]]:
+    """Unsharded elements FSDP gathers (a DTensor's numel is its global size): the root (embeddings, final norm,
+    head; kept gathered through forward and backward) and each decoder layer with its experts, largest first."""
+    layers = sorted((sum(p.numel() for p in layer.parameters()) for layer in model.base_model.layers), reverse=True)
+    return sum(p.numel() for p in model.parameters()) - sum(layers), layers
+
+
+def layer_activation_elems(hf: dict) -> int:
+    """Elements one decoder layer keeps for backward per token (the larger of dense and MoE layers),
+    in the spirit of Korthikanti et al. 2022 (arXiv:2205.05198) with flash attention (no s x s scores):
+    2 RMSNorms x (input + output) + q, k, v, attention output; SwiGLU keeps gate, up, act and their
+    product (4 I). A routed token is dispatched to k experts (k x (hidden in + out + 4 I)), plus
+    shared experts and the fp32 router logits."""
+    h, nq = hf["hidden_size"], hf["num_attention_heads"]
+    if hf.get("kv_lora_rank"):  # MLA: low-rank q/kv bottlenecks, then per-head q, k (nope + rope), v
+        qk, v = hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"], hf["v_head_dim"]
+        attn = (hf.get("q_lora_rank") or 0) + hf["kv_lora_rank"] + hf["qk_rope_head_dim"] + nq * (2 * qk + 2 * v)
+    else:
+        hd = hf.get("head_dim") or h // nq
+        attn = 2 * nq * hd + 2 * hf.get("num_key_value_heads", nq) * hd
+    dense = 4 * hf["intermediate_size"]
+    experts = int(hf.get("num_experts") or hf.get("n_routed_experts") or 0)
+    moe = 0
+    if experts:
+        i = hf["moe_intermediate_size"]
+        moe = hf["num_experts_per_tok"] * (2 * h + 4 * i) + 4 * i * (hf.get("n_shared_experts") or 0) + 2 * experts
+    return 4 * h + attn + max(dense, moe)
+
+
+def activation_bytes(hf: dict, tokens: int, nbytes: int, checkpointing: bool) -> tuple[float, str]:
+    """Estimated activation memory of one micro-batch (tokens on this rank), and the formula used.
+    Checkpointing keeps each layer's input hidden (L+1 of them, with the final norm's) and, in
+    backward, one layer's full activations at a time; without it every layer keeps everything. The
+    head computes logits in chunks of HEAD_CHUNK tokens (compute-dtype logits, fp32 copy, fp32 grad)."""
+    from molt.actor.actor import HEAD_CHUNK
+
+    n_layers, h, elems = hf["num_hidden_layers"], hf["hidden_size"], layer_activation_elems(hf)
+    head = min(tokens, HEAD_CHUNK) * hf["vocab_size"] * (nbytes + 8)
+    if checkpointing:
+        body = tokens * nbytes * ((n_layers + 1) * h + elems)
+        how = f"{tokens} tok x {nbytes} B x ((L+1) x {h} + {elems} of one layer)"
+    else:
+        body = tokens * nbytes * n_layers * (h + elems)
+        how = f"{tokens} tok x {nbytes} B x L x ({h} + {elems})"
+    return body + head, how + f" + logits {min(tokens, HEAD_CHUNK)} x {hf['vocab_size']} x {nbytes + 8} B"
+
+
+def shard_model(model: torch.nn.Module, cfg) -> torch.nn.Module:
+    """The run's layout applied on the (fake) default group. Offload does not change shard sizes, and
+    CPUOffloadPolicy would copy meta tensors to the host, so offload is left to the accounting."""
+    from molt.actor.parallel import build_mesh, parallelize
+
+    fsdp = FsdpConfig(cfg.fsdp.dp_size, cfg.fsdp.ep_size, cfg.fsdp.cp_size, offload="none")
+    mesh = build_mesh(fsdp, "cpu")  # a fake group on any device type: cpu needs no accelerator here
+    return parallelize(model, mesh, fsdp, mixed_precision=cfg.cluster.gpus_per_node > 0)
+
+
+def bytes_per_element(cfg) -> tuple[int, int]:
+    """(sharded state, compute) bytes per element: fp32 master + bf16 compute on GPU, model.dtype on CPU."""
+    if cfg.cluster.gpus_per_node > 0:
+        return 4, 2
+    size = torch.empty((), dtype=getattr(torch, cfg.model.dtype)).element_size()
+    return size, size
+
+
+def read_shards(cfg) -> tuple[int, int, int, int, tuple[int, list[int]]]:
+    """(total params, total routed-expert params, local params, local expert params, gathered sizes) of the layout."""
+    f = cfg.fsdp
+    is_expert = lambda n, p: n.endswith(("gate_up_proj", "down_proj")) and p.dim() == 3  # noqa: E731  fused experts
+    with fake_world(f.dp_size * f.ep_size * f.cp_size):
+        model = meta_model(cfg.model.path)
+        total = sum(p.numel() for p in model.parameters())
+        total_expert = sum(p.numel() for n, p in model.named_parameters() if is_expert(n, p))
+        model = shard_model(model, cfg)
+        local = sum(local_numel(p) for p in model.parameters())
+        local_expert = sum(local_numel(p) for n, p in model.named_parameters() if is_expert(n, p))
+        return total, total_expert, local, local_expert, gathered_sizes(model)
+
+
+def plan_memory(cfg) -> Plan:
+    """Per-rank memory of cfg's layout for cfg.model (a directory with config.json), read from real shards."""
+    f, c, t = cfg.fsdp, cfg.cluster, cfg.train
+    hf = AutoConfig.from_pretrained(str(cfg.model.path)).to_dict()
+    state_bytes, compute_bytes = bytes_per_element(cfg)
+    total, total_expert, params, expert, (root, layers) = read_shards(cfg)
+    tokens = t.micro_batch_rows * t.row_tokens // f.cp_size
+    acts, how = activation_bytes(hf, tokens, compute_bytes, t.activation_checkpointing)
+    layers = layers[:2]
+    states = {"params": params * state_bytes, "grads": params * state_bytes, "optimizer": 2 * params * state_bytes}
+    offload = f.offload == "optimizer"
+    gpu = {} if offload else dict(states)
+    # gathered for compute: the root (embeddings, head: kept through forward and backward) and two layers
+    # (one computing, one prefetched); backward reduce-scatters one layer's grads in fp32
+    gpu["gathered"] = compute_bytes * (root + sum(layers)) + 4 * (layers[0] if layers else root)
+    gpu["activations"] = acts
+    if c.gpus_per_node:
+        gpu["runtime"] = RUNTIME_GIB * GIB
+    notes = {"params": f"{params / 1e9:.3f}B elements x {state_bytes} B ({expert / 1e9:.3f}B of them experts)",
+             "grads": f"x {state_bytes} B", "optimizer": f"AdamW: 2 moments x {state_bytes} B",
+             "gathered": f"{compute_bytes} B x (root {root / 1e6:.0f}M + 2 layers {sum(layers) / 1e6:.0f}M) "
+                         f"+ 4 B x reduce-scatter {(layers[0] if layers else root) / 1e6:.0f}M",
+             "activations": how, "runtime": "CUDA context, NCCL buffers, fragmentation (rule of thumb)"}
+    world = f.dp_size * f.ep_size * f.cp_size
+    where = f"{c.num_nodes} x {c.gpus_per_node} GPUs of {c.gpu_memory_gib:g} GiB" if c.gpus_per_node else "cpu"
+    layout = (f"{cfg.model.name} {total / 1e9:.2f}B params ({total_expert / 1e9:.2f}B routed experts), "
+              f"dp {f.dp_size} x ep {f.ep_size} x cp {f.cp_size} = {world} ranks on {where}")
+    return Plan(layout, params, expert, tokens, gpu, states if offload else {}, notes,
+                c.gpu_memory_gib if c.gpus_per_node else 0.0, c.gpus_per_node or 1)
+
+
+def advice(plan: Plan, cfg) -> str:
+    """What to change when the plan does not fit: attack the largest item."""
+    f, t = cfg.fsdp, cfg.train
+    big = max(plan.gpu, key=plan.gpu.get)
+    if big == "activations":
+        ckpt = "" if t.activation_checkpointing else "set train.activation_checkpointing=true, "
+        return (f"activations dominate: {ckpt}lower train.micro_batch_rows={t.micro_batch_rows} or train.row_tokens="
+                f"{t.row_tokens}, or raise fsdp.cp_size={f.cp_size}")
+    if big in ("params", "grads", "optimizer"):
+        state = sum(plan.gpu[k] for k in ("params", "grads", "optimizer"))
+        room = plan.capacity_gib * GIB - (plan.gpu_total - state)
+        need = f"~{state / room:.0f}x more ranks sharding it" if room > 0 else "more ranks"
+        return (f"sharded state dominates: set fsdp.offload=optimizer, or {need} "
+                f"(raise fsdp.ep_size={f.ep_size} for experts, fsdp.dp_size={f.dp_size})")
+    return "gathered layers dominate: raise fsdp.ep_size (fewer local experts per layer)"
+
+
+def format_plan(plan: Plan, cfg) -> str:
+    gib = lambda b: f"{b / GIB:9.2f} GiB"  # noqa: E731
+    where = "GPU" if plan.capacity_gib else "rank"
+    lines = [f"memory/{where}    {plan.layout}, {plan.tokens} tokens per rank and micro-batch"]
+    lines += [f"  {k:<12}{gib(v)}  {where:<4}  {plan.notes[k]}" for k, v in plan.gpu.items()]
+    lines += [f"  {k:<12}{gib(v)}  host  {plan.notes[k]}" for k, v in plan.host.items()]
+    total = f"  {'total':<12}{gib(plan.gpu_total)}  {where:<4}"
+    if plan.capacity_gib:
+        verdict = "fits" if plan.fits else f"DOES NOT FIT: {advice(plan, cfg)}"
+        total += f"  of {plan.capacity_gib:g} GiB (cluster.gpu_memory_gib): {verdict}"
+    if plan.host:
+        total += f"; host {sum(plan.host.values()) * plan.ranks_per_node / GIB:.1f} GiB per node"
+    return "\n".join(lines + [total])
+
+
+def dry_run_text(cfg) -> str:
+    """The memory table for `molt dry_run=true`, or why there is none."""
+    if not (Path(cfg.model.path) / "config.json").exists():
+        return (f"memory        not planned: {cfg.model.path} has no config.json yet "
+                "(the recipe builds it at the first run)")
+    return format_plan(plan_memory(cfg), cfg)
