@@ -286,6 +286,12 @@ def ranks_fit_cluster(cfg, hf):
                 ": each actor rank needs its own GPU; shrink the fsdp sizes or add nodes (cluster.num_nodes)")
 
 
+def single_node(cfg, hf):
+    if cfg.cluster.num_nodes > 1 and not cfg.dry_run:
+        return (f"cluster.num_nodes={cfg.cluster.num_nodes}: multi-node runs need a Slurm launcher, which is not "
+                "built yet (launchers/README.md); plan the layout with dry_run=true, or run on cluster.num_nodes=1")
+
+
 def micro_batch_rows(cfg, hf):
     if cfg.train.micro_batch_rows < 1:
         return f"train.micro_batch_rows={cfg.train.micro_batch_rows}: a micro-batch needs at least 1 row"
@@ -306,7 +312,7 @@ def cp_full_attention(cfg, hf):
 
 # Order matters: the layout guards come first, and the model guards come before anything that reads the
 # model's config.
-GUARDS = [fsdp_sizes, fsdp_offload, layout_matches_ranks, ranks_fit_cluster, micro_batch_rows, cp_splits_rows,
+GUARDS = [fsdp_sizes, fsdp_offload, layout_matches_ranks, ranks_fit_cluster, single_node, micro_batch_rows, cp_splits_rows,
           model_recipe, model_dir, ep_on_dense, ep_divides_experts,
           cpu_head_dim, estimator_known, group_baseline_needs_group, opd_teacher, gae_params, kl_coef,
           is_correction_names, is_correction_band, is_correction_seq_mode, filter_needs_group, max_lag, temperature,

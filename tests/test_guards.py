@@ -77,6 +77,7 @@ CASES = [
     ("batch_fits_inflight", ["train.groups_per_step=64"], "rollout.max_inflight_groups=32"),
     ("ranks_fit_cluster", ["fsdp.dp_size=4", "cluster.actor_ranks=4", "cluster.gpus_per_node=2"],
      "cluster.actor_ranks=4 > cluster.num_nodes*gpus_per_node = 2"),
+    ("single_node", ["cluster.num_nodes=2"], "cluster.num_nodes=2: multi-node runs need a Slurm launcher"),
     ("micro_batch_rows", ["train.micro_batch_rows=0"], "train.micro_batch_rows=0"),
     ("cp_splits_rows", ["fsdp.cp_size=3", "cluster.actor_ranks=3", "train.row_tokens=100"], "multiple of 6"),
     ("cp_full_attention", ["fsdp.cp_size=2", "cluster.actor_ranks=2", "model.build=",
