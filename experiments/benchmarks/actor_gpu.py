@@ -72,9 +72,9 @@ def config(spec: dict):
     return cls(max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, **spec)
 
 
-def build(cfg, path: Path) -> None:
+def build(cfg, path: Path, device: str = "cuda") -> None:
     """Random weights straight on the GPU (fast init), saved in bf16 for Actor/from_pretrained to load."""
-    with torch.device("cuda"):
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(path)
     del model

@@ -52,6 +52,7 @@ def _rank(rank, world, port, model_dir, fsdp, rows, out):
     result = run_steps(actor, rows)
     if rank == 0:
         torch.save(result, out)
+    dist.barrier()  # no rank tears its gloo threads down while a peer still talks to it
     dist.destroy_process_group()
 
 
