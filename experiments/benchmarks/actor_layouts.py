@@ -95,12 +95,13 @@ def run_layout(args, path, cfg, fsdp: FsdpConfig, device: str, ref: dict | None)
         say(f"reference written: loss {got['loss']:.6f}, {len(got['grads'])} gradients -> {args.reference}")
         return
     loss_err, grad_err, worst = compare(got, ref) if dist.get_rank() == 0 else (0.0, 0.0, "")
-    torch.cuda.synchronize() if not args.cpu else None
+    sync = torch.cuda.synchronize if not args.cpu else (lambda: None)
+    sync()
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(args.steps):
         actor.train_step(segs, adv)
-    torch.cuda.synchronize() if not args.cpu else None
+    sync()
     sec = (time.perf_counter() - t0) / args.steps
     world = dist.get_world_size()
     flops = model_flops(cfg, [len(s.token_ids) for s in segs], sum(s.num_generated for s in segs))

@@ -240,14 +240,7 @@ class Actor:
         Gotcha: transformers fuses some checkpoint tensors on load (Qwen3-MoE's per-expert gate/up/down become
         3-D gate_up_proj/down_proj); an engine reloading the fused names silently keeps its old experts, so
         the conversion is reverted here, as save_pretrained does."""
-        if self.mesh is not None:
-            return revert_weight_conversion(self.model, parallel.full_tensors(self.model, head=True))
-        weights = {k: v.detach().to("cpu", torch.float32, copy=True).contiguous()
-                   for k, v in self.model.state_dict().items()}
-        head = self.model.get_output_embeddings()
-        if "lm_head.weight" not in weights and head is not None:
-            weights["lm_head.weight"] = head.weight.detach().to("cpu", torch.float32, copy=True).contiguous()
-        return revert_weight_conversion(self.model, weights)
+        return revert_weight_conversion(self.model, parallel.full_tensors(self.model, head=True))
 
     def state_dict(self) -> dict:
         """The whole state on one rank; with a mesh, this rank's shards (restored only into the same layout)."""

@@ -165,8 +165,8 @@ def sum_gradients(module) -> None:
 # ---- full tensors and norms -----------------------------------------------------------------------------------
 
 def full_tensors(model, grads: bool = False, head: bool = False) -> dict[str, torch.Tensor]:
-    """Unsharded CPU fp32 copies of the state dict (or every parameter's gradient) under HF names; a collective:
-    every rank calls it, in the same order. Expert weights are concatenated back over the ep axis. head=True adds
+    """Unsharded CPU fp32 copies of the state dict (or every parameter's gradient) under HF names; with a mesh a
+    collective (every rank calls it, in the same order), without one a plain copy. Expert weights are concatenated back over the ep axis. head=True adds
     `lm_head.weight` when tied embeddings leave it out of the state dict (engines reloading weights need it)."""
     owners = {f"{prefix}.{n}": m for prefix, m in model.named_modules() if hasattr(m, "ep_group")
               for n in ("gate_up_proj", "down_proj")}
