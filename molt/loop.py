@@ -16,6 +16,7 @@ import logging
 import os
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from queue import Empty
 
@@ -25,19 +26,20 @@ from omegaconf import OmegaConf
 from ray.util.queue import Queue
 
 from molt import checkpoint, guards, tracking
-from molt.actor.actor import Actor, load_model, segment_logprobs
-from molt.algo.advantages import NEEDS, compute_advantages, gae_raw, token_table, untable
-from molt.algo.critic import Critic
+from molt.actor.group import run_actor
+from molt.agents.pool import RolloutWorker
+from molt.algo.advantages import ESTIMATORS, HELPER_TABLES, compute_advantages, helper_targets, token_table, untable
 from molt.assets import ensure_model
 from molt.config import derived
-from molt.rollout.engine import EngineClient, EngineDied, launch_engines, sync_weights, verify_sync
-from molt.rollout.worker import RolloutWorker
+from molt.rollout.engine import EngineClient, launch_engines, sync_weights, verify_sync
+from molt.types import EngineDied, Segment
 
 
 def run(cfg) -> None:
     """Start engines, Ray and MLflow; train; always tear everything down (exit, Ctrl-C, crash)."""
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # plain values, picklable for Ray
     model_dir = ensure_model(cfg.model.path, cfg.model.build)
+    guards.check(cfg)  # again, now that the model exists: guards that read it (e.g. the opd teacher's tokenizer)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine request otherwise
     with contextlib.ExitStack() as stack:
         engines = stack.enter_context(launch_engines(cfg.engine, model_dir, Path(cfg.output_dir) / "engines"))
@@ -49,45 +51,66 @@ def run(cfg) -> None:
 def train(cfg, model_dir: Path, engines) -> None:
     aio = asyncio.new_event_loop()
     actor = make_actor(cfg, model_dir)
-    helpers = load_helpers(cfg, model_dir)  # a teacher (opd) or a critic (gae), else nothing
     clients = [EngineClient(e.name, e.url, cfg.engine.request_timeout_s) for e in engines]
-    start, position = restore(cfg, actor, helpers.get("critic"))
-    version = start
-    if start:  # the engines still serve the initial weights: give them the restored ones
+    version, position = restore(cfg, actor)
+    if version:  # the engines still serve the initial weights: give them the restored ones
         aio.run_until_complete(sync_weights(clients, actor.export_weights(), version, cfg.engine.sync_dir))
     queue = Queue()
-    credits = min((cfg.rollout.max_lag + 1) * cfg.train.groups_per_step, cfg.rollout.max_inflight_groups)
-    worker = RolloutWorker.remote(cfg, [(e.name, e.url) for e in engines], queue, str(model_dir), credits)
+    worker = RolloutWorker.remote(cfg, [(e.name, e.url) for e in engines], queue, str(model_dir), credits(cfg))
     ray.get(worker.start.remote(position))
-    bar = tracking.progress(start, cfg.train.steps)
+    bar = tracking.progress(version, cfg.train.steps)
     for step in bar:
-        t0 = time.time()
-        groups, counts = collect(queue, engines, cfg, version, worker)
-        t_wait = time.time() - t0
-        segments, advantages, adv_metrics, returns = prepare(groups, cfg, helpers)
-        metrics = actor.train_step(segments, advantages, cfg.rollout.temperature)
-        metrics |= train_critic(helpers, segments, returns)
-        t_train = time.time() - t0 - t_wait
-        sync_s, probe = aio.run_until_complete(sync_and_verify(clients, actor, segments[0], version + 1, cfg))
+        clock = Clock()
+        with clock("wait"):
+            groups, counts = collect(lambda: next_item(queue, engines), cfg, version, refund=worker.grant.remote)
+        with clock("train"):
+            prep = prepare(groups, cfg, actor)
+            metrics = actor.train_step(prep.segments, prep.advantages, cfg.rollout.temperature)
+            metrics |= actor.train_helpers(prep.segments, prep.helper_targets)
+        with clock("sync"):
+            probe = aio.run_until_complete(sync_and_verify(clients, actor, prep.segments[0], version + 1, cfg))
         version += 1
         worker.grant.remote(len(groups))  # after the sync: the next groups start on the new weights
-        dump_rollouts(cfg, groups, advantages, step)
+        dump_rollouts(cfg, groups, prep.advantages, step)
         metrics |= maybe_eval(cfg, worker, step)
-        maybe_save(cfg, actor, worker, step, helpers.get("critic"))
-        step_s = time.time() - t0
-        metrics |= adv_metrics | step_metrics(groups, counts, version, t_wait, t_train, sync_s, probe, step_s)
+        maybe_save(cfg, actor, worker, step)
+        metrics |= prep.metrics | rollout_metrics(groups, counts, version, probe) | clock.metrics()
+        metrics["throughput/tokens_per_s"] = metrics["rollout/gen_tokens"] / metrics["time/step"]
         tracking.log_metrics(metrics, step)
-        bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{step_s:.2f}")
+        bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step']:.2f}")
     aio.run_until_complete(close_all(clients))
+
+
+def credits(cfg) -> int:
+    """Groups the worker may start before the first step: the staleness bound, (max_lag + 1) steps' worth."""
+    return min((cfg.rollout.max_lag + 1) * cfg.train.groups_per_step, cfg.rollout.max_inflight_groups)
+
+
+class Clock:
+    """Wall time of one step's named phases (time/<phase>), the whole step (time/step) and the rest (time/other)."""
+
+    def __init__(self):
+        self.start, self.phases = time.time(), {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        t0 = time.time()
+        yield
+        self.phases[phase] = self.phases.get(phase, 0.0) + time.time() - t0
+
+    def metrics(self) -> dict[str, float]:
+        step = time.time() - self.start
+        return {f"time/{k}": v for k, v in self.phases.items()} | {"time/step": step,
+                                                                  "time/other": step - sum(self.phases.values())}
 
 
 def make_actor(cfg, model_dir: Path):
     """One in-process Actor for world size 1 (the reference path); else a group of ranks on the (dp, ep, cp) mesh."""
-    if cfg.cluster.actor_ranks > 1:
+    if derived(cfg)["world_size"] > 1:
         from molt.actor.group import ActorGroup
 
         return ActorGroup(cfg, model_dir)
-    return Actor(str(model_dir), cfg.train, cfg.model.dtype, is_correction=cfg.is_correction)
+    return run_actor(cfg, model_dir)
 
 
 @contextlib.contextmanager
@@ -96,8 +119,9 @@ def ray_session(cfg):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=max(os.cpu_count() or 1, 2), include_dashboard=False, log_to_driver=True,
-                 _node_ip_address="127.0.0.1")
+        # address="local": always a fresh instance of our own; never attach to another Ray cluster on the host
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 2), include_dashboard=False,
+                 log_to_driver=True, _node_ip_address="127.0.0.1")
     try:
         yield
     finally:
@@ -120,14 +144,14 @@ def next_item(queue, engines):
                     raise EngineDied(e.name, "the engine process exited; see its log under engines/")
 
 
-def collect(queue, engines, cfg, version: int, worker):
+def collect(pop, cfg, version: int, refund):
     """Pop groups until `groups_per_step` usable ones are in hand; drop stale and failed ones, and (filter.enabled)
-    groups whose rewards are all equal. A dropped group's credit goes back at once (its replacement starts on the
-    current weights)."""
+    groups whose rewards are all equal. A dropped group's credit is refunded at once, so that its replacement
+    starts on the current weights and the step can still fill (with max_lag=0 every credit is needed)."""
     kept, counts = [], Counter()
     budget = 10 * cfg.train.groups_per_step * cfg.rollout.n  # bound: a task that always fails stops the run
     while len(kept) < cfg.train.groups_per_step:
-        kind, group = next_item(queue, engines)
+        kind, group = pop()
         if kind == "error":
             raise group  # EngineDied, or the worker's own failure with its traceback
         ok = [r for r in group.rollouts if r.status != "failed"]
@@ -143,7 +167,7 @@ def collect(queue, engines, cfg, version: int, worker):
             group.rollouts = ok
             kept.append(group)
             continue
-        worker.grant.remote(1)
+        refund(1)
     return kept, counts
 
 
@@ -155,51 +179,37 @@ def check_filter_budget(dropped: int, cfg) -> None:
                            "no signal; check the reward, or set filter.enabled=false or raise filter.max_drop_factor")
 
 
-def load_helpers(cfg, model_dir: Path) -> dict:
-    """Models the estimator needs beside the actor (`NEEDS`): a frozen teacher for opd, a critic for gae."""
-    make = {"teacher": lambda: load_teacher(cfg), "critic": lambda: Critic(model_dir, cfg)}
-    return {need: make[need]() for need in NEEDS.get(cfg.estimator.name, ())}
+@dataclass
+class Prepared:
+    """One step's training input: segments, their advantages, and per-token targets of trainable helpers."""
+
+    segments: list[Segment]
+    advantages: list  # per segment: one float, or one per token
+    helper_targets: dict[str, list[list[float]]]  # helper -> per segment, per token (e.g. the gae critic's returns)
+    metrics: dict[str, float]
 
 
-def load_teacher(cfg):
-    msg = guards.opd_teacher(cfg, {})  # again: the student may have been built after the guards ran
-    if msg:
-        raise guards.GuardError(msg)
-    return load_model(cfg.estimator.teacher_path, cfg.model.dtype, "sdpa", "cpu", trainable=False)
-
-
-def token_inputs(rollouts, segments, helpers: dict, cfg) -> dict:
-    """Per-token (R, L) tables for token estimators: generated-token mask, behaviour (= student) log-probs, and the
-    teacher's log-probs or the critic's values when those models are loaded."""
-    out = {"mask": token_table(rollouts, [s.loss_mask for s in segments]),
-           "student_logp": token_table(rollouts, [s.logprobs for s in segments])}
-    if "teacher" in helpers:
-        lp = segment_logprobs(helpers["teacher"], segments, cfg.rollout.temperature, cfg.train, "cpu")
-        out["teacher_logp"] = token_table(rollouts, lp)
-    if "critic" in helpers:
-        out["values"] = token_table(rollouts, helpers["critic"].values(segments))
-    return out
-
-
-def prepare(groups, cfg, helpers: dict | None = None):
-    """Advantages from the estimator: per rollout, broadcast to every token of every segment, or per token.
-    Also the critic's lambda-returns per segment when there is a critic (else None)."""
+def prepare(groups, cfg, actor=None) -> Prepared:
+    """Advantages from the estimator: per rollout, broadcast to every token of every segment, or per token (with
+    per-token inputs from the helper models its registry entry names, scored by the actor)."""
     rollouts = [r for g in groups for r in g.rollouts]
     segments = [s for r in rollouts for s in r.segments]
     rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
     group_ids = torch.tensor([i for i, g in enumerate(groups) for _ in g.rollouts])
-    tables = token_inputs(rollouts, segments, helpers or {}, cfg)
+    est = ESTIMATORS[cfg.estimator.name]
+    scores = actor.score(segments, est.helpers, cfg.rollout.temperature) if est.helpers else {}
+    tables = {"mask": token_table(rollouts, [s.loss_mask for s in segments]),
+              "student_logp": token_table(rollouts, [s.logprobs for s in segments])}
+    tables |= {HELPER_TABLES[n]: token_table(rollouts, v) for n, v in scores.items()}
     adv = compute_advantages(cfg.estimator, rewards, group_ids, **tables)  # (R,) or (R, L)
     if adv.ndim == 1:  # every segment gets its rollout's advantage
         per_segment = [a for r, a in zip(rollouts, adv.tolist()) for _ in r.segments]
         adv = adv[:, None].expand_as(tables["mask"])  # (R, L)
     else:
         per_segment = untable(rollouts, adv)
-    returns = None
-    if "values" in tables:  # the critic's targets: lambda-returns A + V (before whitening)
-        est, v = cfg.estimator, tables["values"]
-        returns = untable(rollouts, gae_raw(rewards, v, tables["mask"], est.gamma, est.lam) + v)
-    return segments, per_segment, batch_metrics(rewards, adv, tables), returns
+    targets = helper_targets(cfg.estimator, rewards, group_ids, **tables)
+    return Prepared(segments, per_segment, {n: untable(rollouts, t) for n, t in targets.items()},
+                    batch_metrics(rewards, adv, tables))
 
 
 def batch_metrics(rewards, adv, tables: dict) -> dict:
@@ -213,20 +223,14 @@ def batch_metrics(rewards, adv, tables: dict) -> dict:
     return metrics
 
 
-def train_critic(helpers: dict, segments, returns) -> dict:
-    return helpers["critic"].train_step(segments, returns) if "critic" in helpers else {}
-
-
-async def sync_and_verify(clients, actor, probe_segment, version: int, cfg):
+async def sync_and_verify(clients, actor, probe_segment, version: int, cfg) -> float:
     """Push the new weights to every engine, then check one engine's log-probs on a probe sequence."""
-    seconds = await sync_weights(clients, actor.export_weights(), version, cfg.engine.sync_dir)
-    ids = probe_segment.token_ids
+    await sync_weights(clients, actor.export_weights(), version, cfg.engine.sync_dir)
     expected = actor.logprobs([probe_segment], cfg.rollout.temperature)[0][1:]
-    diff = await verify_sync(clients[0], ids, expected, tol=1e-3)
-    return seconds, diff
+    return await verify_sync(clients[0], probe_segment.token_ids, expected, tol=cfg.engine.probe_tol)
 
 
-def step_metrics(groups, counts, version, t_wait, t_train, t_sync, probe, step_s) -> dict:
+def rollout_metrics(groups, counts, version: int, probe: float) -> dict:
     rollouts = [r for g in groups for r in g.rollouts]
     generated = sum(s.num_generated for r in rollouts for s in r.segments)
     starts, ends = zip(*(g.timing for g in groups))
@@ -235,11 +239,8 @@ def step_metrics(groups, counts, version, t_wait, t_train, t_sync, probe, step_s
             "rollout/truncated": sum(r.status == "truncated" for r in rollouts),
             "filter/dropped": counts["filtered"],
             "filter/dropped_frac": counts["filtered"] / (counts["filtered"] + len(groups)),
-            "rollout/gen_tokens_mean": generated / len(rollouts),
-            "sync/probe_abs_max": probe, "time/step": step_s, "time/wait": t_wait,
-            "time/generate": max(ends) - min(starts), "time/train": t_train, "time/sync": t_sync,
-            "time/other": step_s - t_wait - t_train - t_sync, "throughput/tokens_per_s": generated / step_s,
-            "version": version}
+            "rollout/gen_tokens_mean": generated / len(rollouts), "rollout/gen_tokens": generated,
+            "time/generate": max(ends) - min(starts), "sync/probe_abs_max": probe, "version": version}
 
 
 def maybe_eval(cfg, worker, step: int) -> dict:
@@ -251,14 +252,13 @@ def maybe_eval(cfg, worker, step: int) -> dict:
     return out | {"time/eval": time.time() - t0}
 
 
-def maybe_save(cfg, actor, worker, step: int, critic=None) -> None:
+def maybe_save(cfg, actor, worker, step: int) -> None:
     done = step + 1
     if done == cfg.train.steps or (cfg.train.save_every and done % cfg.train.save_every == 0):
-        checkpoint.save(cfg.checkpoint_dir, done, actor.state_dict(), ray.get(worker.position.remote()),
-                        critic_state=critic.state_dict() if critic else None)
+        checkpoint.save(cfg.checkpoint_dir, done, actor.state_dict(), ray.get(worker.position.remote()))
 
 
-def restore(cfg, actor, critic=None) -> tuple[int, int]:
+def restore(cfg, actor) -> tuple[int, int]:
     """(step, data position) to start from: 0, 0 unless resume=true."""
     if not cfg.resume:
         return 0, 0
@@ -267,10 +267,6 @@ def restore(cfg, actor, critic=None) -> tuple[int, int]:
         raise FileNotFoundError(f"resume=true but no checkpoint in {cfg.checkpoint_dir} (set checkpoint_dir)")
     state = checkpoint.load(path)
     actor.load_state_dict(state["actor"])
-    if critic is not None:
-        if "critic" not in state:
-            raise ValueError(f"resume=true with estimator=gae but {path} holds no critic: it was not a gae run")
-        critic.load_state_dict(state["critic"])
     return state["step"], state["data_position"]
 
 

@@ -6,7 +6,7 @@ import torch
 
 from tests.test_loop import SMALL, history, molt
 
-COMMON = [*SMALL, "cluster.actor_ranks=2", "rollout.max_lag=0", "train.save_every=1"]
+COMMON = [*SMALL, "rollout.max_lag=0", "train.save_every=1"]
 LAYOUTS = {"dp2": (["fsdp.dp_size=2"], (2, 1, 1)), "ep2": (["model=tiny_moe", "fsdp.ep_size=2"], (1, 2, 1))}
 
 

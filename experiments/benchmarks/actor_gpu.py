@@ -1,6 +1,6 @@
 """GPU figures of the actor: training tokens/s, MFU and peak memory on one GPU, against plain transformers.
 
-Trains, through the actor's own code path (Actor.train_step -> token_logprobs -> head_logprobs -> actor_loss ->
+Trains, through the actor's own code path (Actor.train_step -> token_logprobs -> head_logprobs -> Objective ->
 AdamW), a Qwen3-1.7B-shaped dense model and a Qwen3-30B-A3B-shaped MoE cut to 6 layers (random weights) on
 4 rows x 4096 packed tokens, and the reference in the same process on the same card: plain transformers
 (forward with labels, unpacked causal rows, AdamW). Needs CUDA, torch and transformers only:

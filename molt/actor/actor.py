@@ -17,15 +17,16 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM
 from transformers.core_model_loading import revert_weight_conversion
 
-from molt.actor import context, parallel, replay, speed
+from molt.actor import context, parallel, speed
+from molt.actor import replay as replay_mod
 from molt.actor.pack import NO_TARGET, align_next, cp_slice, micro_batches, pack, to_device, unalign
-from molt.algo.loss import actor_loss, combine
+from molt.algo.loss import Objective, combine
 from molt.types import Batch, Segment
 
-if TYPE_CHECKING:  # molt.config imports Hydra, which the GPU image lacks
+if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from molt.config import FsdpConfig, IsCorrectionConfig, TrainConfig
+    from molt.config import FsdpConfig, TrainConfig
 
 ATTENTION = ("sdpa", "eager", "flex_attention")  # all honour packed rows through position_ids (see pack.py, speed.py)
 HEAD_CHUNK = 1024  # tokens per vocabulary projection: bounds the live (tokens, vocab) logits
@@ -112,12 +113,6 @@ def per_token(fn, segments: list[Segment], train: TrainConfig, device) -> list[l
     return [out[r, s:s + n].tolist() for r, s, n in batch.spans]
 
 
-def segment_logprobs(model, segments: list[Segment], temperature: float, train: TrainConfig,
-                     device) -> list[list[float]]:
-    """Per-token log-probs of each segment under `model` (0.0 at position 0): the actor's, a teacher's."""
-    return per_token(lambda mb: token_logprobs(model, mb, temperature), segments, train, device)
-
-
 def _dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
@@ -128,33 +123,44 @@ def _dtype(name: str) -> torch.dtype:
 class Actor:
     """One rank of the policy. Without a mesh: the plain single-process actor (the numerical reference). With a
     mesh (one per rank, see molt/actor/group.py): the model is parallelized (molt/actor/parallel.py), every rank
-    receives the whole batch and trains its own data shard, and every method is a collective."""
+    receives the whole batch and trains its own data shard, and every method is a collective.
+
+    `objective` (molt/algo/loss.py Objective) is the whole loss, chosen by the run; the helper models it or the
+    estimator needs (molt/actor/helpers.py) are built with `add_helper` on this actor's device and layout."""
 
     def __init__(self, model_dir: str | Path, train: TrainConfig, dtype: str = "float32",
-                 attn_implementation: str = "sdpa", device: str = "cpu", is_correction: IsCorrectionConfig = None,
+                 attn_implementation: str = "sdpa", device: str = "cpu", objective=None,
                  fsdp: FsdpConfig | None = None, mesh: DeviceMesh | None = None):
         if attn_implementation not in ATTENTION:
             raise ValueError(f"attn_implementation={attn_implementation!r}: use one of {ATTENTION}")
         if train.num_threads > 0:
             torch.set_num_threads(train.num_threads)
-        self.cfg, self.device, self.is_correction, self.mesh = train, torch.device(device), is_correction, mesh
-        load_to = self.device if mesh is None else "cpu"  # fully_shard moves the shards to the mesh's device
-        self.model = load_model(model_dir, dtype, attn_implementation, load_to,
-                                activation_checkpointing=train.activation_checkpointing, compile=train.compile)
-        # the KL penalty's reference: a frozen copy of the initial policy, loaded only when it is used
-        self.reference = load_model(model_dir, dtype, attn_implementation, load_to, trainable=False,
-                                    compile=train.compile) if train.kl_coef > 0 else None
-        if train.routing_replay:  # MoE routers take the engine's recorded experts (molt/actor/replay.py)
-            for model in filter(None, (self.model, self.reference)):
-                replay.install(model)
-        if mesh is not None:
-            for model in filter(None, (self.model, self.reference)):
-                parallel.parallelize(model, mesh, fsdp, mixed_precision=self.device.type == "cuda" and
-                                     dtype == "float32")
+        self.cfg, self.device, self.mesh, self.fsdp = train, torch.device(device), mesh, fsdp
+        self.dtype, self.attn = dtype, attn_implementation
+        self.objective = objective or Objective()
+        self.helpers: dict = {}
+        self.model = self.build(model_dir, trainable=True, replay=train.routing_replay)
         # fused: one kernel for the whole update on the GPU (foreach AdamW took a quarter of an MoE step there)
         on_gpu = self.device.type == "cuda" and (fsdp is None or fsdp.offload != "optimizer")
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train.lr, betas=tuple(train.betas),
                                            weight_decay=train.weight_decay, fused=on_gpu or None)
+
+    def build(self, model_dir, trainable: bool, replay: bool, shard: bool = True):
+        """A model (the policy or a helper) in this actor's dtype, device and layout; shard=False leaves it on the
+        host unsharded, for a caller that adds modules first and then calls `shard`."""
+        on_host = self.mesh is not None or not shard  # fully_shard moves the shards to the mesh's device
+        model = load_model(model_dir, self.dtype, self.attn, "cpu" if on_host else self.device, trainable=trainable,
+                           activation_checkpointing=trainable and self.cfg.activation_checkpointing,
+                           compile=self.cfg.compile)
+        if replay:  # MoE routers take the engine's recorded experts (molt/actor/replay.py)
+            replay_mod.install(model)
+        if shard and self.mesh is not None:
+            self.shard(model)
+        return model
+
+    def shard(self, model) -> None:
+        parallel.parallelize(model, self.mesh, self.fsdp,
+                             mixed_precision=self.device.type == "cuda" and self.dtype == "float32")
 
     def backward(self, segments: list[Segment], advantages: list, temperature: float = 1.0,
                  num_loss_tokens: int | None = None, num_sequences: int | None = None) -> dict[str, float]:
@@ -167,37 +173,44 @@ class Actor:
             raise ValueError("the batch has no generated (loss-mask 1) tokens to train on")
         n_seq = num_sequences or sum(s.num_generated > 0 for s in segments)
         totals: dict[str, torch.Tensor] = {}
-        for mb in self._micro_batches(batch):
-            ref = None
-            if self.reference is not None:
-                with torch.no_grad(), replay.routes(self.reference, mb):
-                    ref = token_logprobs(self.reference, mb, temperature, loss_only=True)  # (r, t)
-            with replay.routes(self.model, mb):  # held through backward: checkpointed layers re-route there
+        for mb in self.micro_batches(batch):
+            with torch.no_grad():  # helper scores the objective takes, e.g. the KL reference's log-probs, (r, t) each
+                aux = {n: self.helpers[n].score(mb, temperature) for n in self.objective.needs}
+            with replay_mod.routes(self.model, mb):  # held through backward: checkpointed layers re-route there
                 logp, entropy = token_logprobs(self.model, mb, temperature, loss_only=True, entropy=True)  # (r, t) x 2
-                loss, metrics = actor_loss(logp, entropy, ref, mb, n, n_seq, self.cfg, self.is_correction)
+                loss, metrics = self.objective(logp, entropy, mb, n, n_seq, **aux)
                 loss.backward()
             gap = (logp.detach() - mb.behaviour_logp).abs() * mb.loss_mask  # (r, t), before any update
             metrics |= {"mismatch/logprob_abs_mean": gap.sum() / n, "mismatch/logprob_abs_max": gap.max()}
             totals = combine(totals, metrics)
+        return self.reduce(totals) | {"tokens/loss": float(local_loss_tokens),
+                                      "tokens/total": float((batch.segment_ids >= 0).sum()),
+                                      "rows": float(batch.num_rows)}
+
+    def reduce(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Metric totals of this rank's micro-batches -> floats over all ranks, with one device sync."""
         if self.mesh is not None:
             totals = parallel.reduce_metrics(totals, self.device)
-        out = dict(zip(totals, torch.stack([v.float() for v in totals.values()]).tolist()))  # one device sync
-        out.update({"tokens/loss": float(local_loss_tokens), "tokens/total": float((batch.segment_ids >= 0).sum()),
-                    "rows": float(batch.num_rows)})
-        return out
+        return dict(zip(totals, torch.stack([v.float() for v in totals.values()]).tolist())) if totals else {}
 
     def train_step(self, segments: list[Segment], advantages: list, temperature: float = 1.0) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
         metrics = self.backward(segments, advantages, temperature)
-        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        norm = float(self._clip_grad_norm(max_norm))
+        norm = float(self.clip_grads(self.model.parameters()))
         if not math.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"gradient norm is {norm}; step skipped (lower train.lr or set train.grad_clip)")
         self.optimizer.step()
         return dict(metrics, grad_norm=norm)
 
-    def _micro_batches(self, batch: Batch) -> list[Batch]:
+    def train_helpers(self, segments: list[Segment], targets: dict[str, list[list[float]]]) -> dict[str, float]:
+        """One step of every trainable helper that has per-token targets this step (the gae critic's returns)."""
+        out = {}
+        for name, per_segment in targets.items():
+            out |= self.helpers[name].train_step(segments, per_segment)
+        return out
+
+    def micro_batches(self, batch: Batch) -> list[Batch]:
         """Micro-batches on the device: all of them on one rank; with a mesh, this data shard's (the same count on
         every rank) and, under context parallelism, this rank's slice of each (in the next-token alignment)."""
         if self.mesh is None:
@@ -208,29 +221,42 @@ class Actor:
             mbs = [cp_slice(align_next(mb), cp.size(), cp.get_local_rank())[0] for mb in mbs]
         return [to_device(mb, self.device) for mb in mbs]
 
-    def _clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+    def clip_grads(self, params) -> torch.Tensor:
+        """Clip the global gradient norm to train.grad_clip (0 = no clipping); returns the norm before clipping."""
+        params = list(params)
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         if self.mesh is None:
-            return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        norm = parallel.grad_norm(self.model.parameters(), self.device)
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        norm = parallel.grad_norm(params, self.device)
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as clip_grad_norm_ does
-        for p in self.model.parameters():
+        for p in params:
             if p.grad is not None:
                 p.grad.mul_(coef.to(p.grad.device))
         return norm
 
-    def _logprobs_cp(self, mb: Batch, temperature: float) -> torch.Tensor:
-        """Whole-row log-probs (r, t) in the token alignment from this rank's CP slice (a collective over cp)."""
+    def _per_token(self, fn, segments: list[Segment]) -> list[list[float]]:
+        """fn(micro-batch) -> (r, t) per-token values, over every segment, one list per segment. With a mesh every
+        rank scores every segment (the same micro-batches everywhere, as collectives need); under context
+        parallelism each rank computes its slice of each row (next-token alignment) and the slices are gathered."""
+        if self.mesh is None or self.mesh["cp"].size() == 1:
+            return per_token(fn, segments, self.cfg, self.device)
         cp = self.mesh["cp"]
-        part = cp_slice(align_next(mb), cp.size(), cp.get_local_rank())[0]
-        lp = token_logprobs(self.model, to_device(part, self.device), temperature)  # (r, t / cp), next-token
-        return unalign(context.gather_columns(lp, cp.get_group(), mb.input_ids.shape[1]))  # (r, t)
+
+        def sliced(mb: Batch) -> torch.Tensor:  # (r, t) in the token alignment, from this rank's slice (a collective)
+            part = cp_slice(align_next(mb), cp.size(), cp.get_local_rank())[0]
+            x = fn(to_device(part, self.device))  # (r, t / cp), next-token alignment
+            return unalign(context.gather_columns(x, cp.get_group(), mb.input_ids.shape[1]))
+
+        return per_token(sliced, segments, self.cfg, "cpu")  # sliced on the host, computed on the device
 
     def logprobs(self, segments: list[Segment], temperature: float = 1.0) -> list[list[float]]:
-        """Per-token log-probs of each segment under the current weights (0.0 at position 0). With a mesh every
-        rank scores every segment (the same micro-batches everywhere, as collectives need)."""
-        if self.mesh is not None and self.mesh["cp"].size() > 1:
-            return per_token(lambda mb: self._logprobs_cp(mb, temperature), segments, self.cfg, "cpu")
-        return segment_logprobs(self.model, segments, temperature, self.cfg, self.device)
+        """Per-token log-probs of each segment under the current weights (0.0 at position 0)."""
+        return self._per_token(lambda mb: token_logprobs(self.model, mb, temperature), segments)
+
+    def score(self, segments: list[Segment], names, temperature: float = 1.0) -> dict[str, list[list[float]]]:
+        """Per-token outputs of the named helpers on each segment (0.0 where nothing is predicted): a teacher's
+        log-probs, a critic's values (for the estimator's per-token inputs)."""
+        return {n: self._per_token(lambda mb, h=self.helpers[n]: h.score(mb, temperature), segments) for n in names}
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """fp32 CPU copies under the checkpoint's (= vLLM's) names (safe to write while training continues).
@@ -242,14 +268,27 @@ class Actor:
         the conversion is reverted here, as save_pretrained does."""
         return revert_weight_conversion(self.model, parallel.full_tensors(self.model, head=True))
 
+    def _trained(self) -> dict:
+        return {"policy": (self.model, self.optimizer)} | {
+            n: (h.model, h.optimizer) for n, h in self.helpers.items() if hasattr(h, "optimizer")}
+
     def state_dict(self) -> dict:
-        """The whole state on one rank; with a mesh, this rank's shards (restored only into the same layout)."""
+        """The whole state on one rank (policy and trainable helpers); with a mesh, this rank's shards (restored
+        only into the same layout)."""
+        trained = self._trained()
         if self.mesh is not None:
-            return parallel.local_state(self.model, self.optimizer)
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+            return {n: parallel.local_state(m, o) for n, (m, o) in trained.items()}
+        return {n: {"model": m.state_dict(), "optimizer": o.state_dict()} for n, (m, o) in trained.items()}
 
     def load_state_dict(self, state: dict) -> None:
-        if self.mesh is not None:
-            return parallel.load_local_state(self.model, self.optimizer, state)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        trained = self._trained()
+        missing = set(trained) - set(state)
+        if missing:
+            raise ValueError(f"the checkpoint holds no state for {sorted(missing)}: it was written by a run with "
+                             f"other helper models (estimator / train.kl_coef) than this one")
+        for n, (model, optimizer) in trained.items():
+            if self.mesh is not None:
+                parallel.load_local_state(model, optimizer, state[n])
+            else:
+                model.load_state_dict(state[n]["model"])
+                optimizer.load_state_dict(state[n]["optimizer"])

@@ -1,4 +1,5 @@
-"""The multi-rank actor: world-size ranks, each an `Actor` on one shared DeviceMesh, driven as one actor.
+"""The run's actor (`run_actor`) and the multi-rank actor: world-size ranks, each an `Actor` on one shared
+DeviceMesh, driven as one actor.
 
     group = ActorGroup(cfg, model_dir)                   # Ray actors (num_cpus=0), gloo on CPU / NCCL on GPU
     metrics = group.train_step(segments, advantages, t)  # every rank gets the whole batch, trains its shard
@@ -14,6 +15,7 @@ import socket
 import torch
 import torch.distributed as dist
 
+from molt.actor import helpers
 from molt.actor.actor import Actor
 from molt.actor.parallel import build_mesh
 
@@ -42,10 +44,25 @@ def init_distributed(rank: int | None = None, world_size: int | None = None, por
     return device
 
 
-def rank_actor(model_dir, train, fsdp, device: str, dtype: str = "float32", is_correction=None) -> Actor:
+def rank_actor(model_dir, train, fsdp, device: str, dtype: str = "float32", objective=None) -> Actor:
     """This rank's Actor on the (dp, ep, cp) mesh of fsdp (the process group must be initialised)."""
     mesh = build_mesh(fsdp, torch.device(device).type)
-    return Actor(model_dir, train, dtype, device=device, is_correction=is_correction, fsdp=fsdp, mesh=mesh)
+    return Actor(model_dir, train, dtype, device=device, objective=objective, fsdp=fsdp, mesh=mesh)
+
+
+def run_actor(cfg, model_dir, device: str = "cpu", mesh: bool = False) -> Actor:
+    """The actor of a run (one rank of it with mesh=True): its objective and the helper models it needs."""
+    from molt.algo import helpers_needed
+    from molt.algo.loss import Objective
+
+    objective = Objective.from_config(cfg)
+    if mesh:
+        actor = rank_actor(str(model_dir), cfg.train, cfg.fsdp, device, cfg.model.dtype, objective)
+    else:
+        actor = Actor(str(model_dir), cfg.train, cfg.model.dtype, device=device, objective=objective)
+    for name in helpers_needed(cfg):
+        actor.helpers[name] = helpers.build(name, actor, cfg, model_dir)
+    return actor
 
 
 class Rank:
@@ -53,7 +70,7 @@ class Rank:
 
     def __init__(self, rank: int, world_size: int, port: int, gpu: bool, model_dir: str, cfg):
         device = init_distributed(rank, world_size, port, gpu)
-        self.actor = rank_actor(model_dir, cfg.train, cfg.fsdp, device, cfg.model.dtype, cfg.is_correction)
+        self.actor = run_actor(cfg, model_dir, device, mesh=True)
         self.rank = rank
 
     def call(self, method: str, *args):
@@ -73,7 +90,7 @@ class ActorGroup:
     def __init__(self, cfg, model_dir):
         import ray
 
-        world, gpu = cfg.cluster.actor_ranks, cfg.cluster.gpus_per_node > 0
+        world, gpu = cfg.fsdp.dp_size * cfg.fsdp.ep_size * cfg.fsdp.cp_size, cfg.cluster.gpus_per_node > 0
         port = free_port()
         remote = ray.remote(num_cpus=0, num_gpus=1 if gpu else 0)(Rank)  # CPU: the ranks share the driver's cores
         self.ranks = [remote.remote(r, world, port, gpu, str(model_dir), cfg) for r in range(world)]
@@ -89,6 +106,12 @@ class ActorGroup:
 
     def logprobs(self, segments, temperature: float = 1.0) -> list[list[float]]:
         return self._all("logprobs", segments, temperature)
+
+    def score(self, segments, names, temperature: float = 1.0) -> dict[str, list[list[float]]]:
+        return self._all("score", segments, names, temperature)
+
+    def train_helpers(self, segments, targets: dict) -> dict[str, float]:
+        return self._all("train_helpers", segments, targets)
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         return self._all("export_weights")

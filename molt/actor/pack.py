@@ -8,7 +8,7 @@ one more "segment" (positions 0..k, segment -1), so it never attends into real t
 """
 from __future__ import annotations
 
-from dataclasses import fields, replace
+from dataclasses import replace
 
 import torch
 
@@ -56,7 +56,7 @@ def _check(segments: list[Segment], advantages: list, row_tokens: int) -> None:
         assert n > 0, f"segment {i} is empty"
         assert s.loss_mask[0] == 0, f"segment {i} starts with a generated token: nothing precedes it to predict it"
         routed = n if s.routed_experts is None else len(s.routed_experts)
-        assert routed == n, f"segment {i}: routes for {routed} of {n} tokens (routes.attach after each engine call)"
+        assert routed == n, f"segment {i}: routes for {routed} of {n} tokens (Segment.attach_routes after each engine call)"
         a = torch.as_tensor(advantages[i])
         assert a.ndim == 0 or a.shape == (n,), f"segment {i}: {tuple(a.shape)} advantages for {n} tokens"
 
@@ -100,16 +100,12 @@ def micro_batches(batch: Batch, rows: int) -> list[Batch]:
     for a in range(0, batch.num_rows, rows):
         b = min(a + rows, batch.num_rows)
         width = int((batch.segment_ids[a:b] >= 0).sum(1).max())  # real tokens are left-aligned in each row
-        cut = {f.name: getattr(batch, f.name)[a:b, :width] for f in fields(batch)
-               if isinstance(getattr(batch, f.name), torch.Tensor)}
-        out.append(replace(batch, spans=[], **cut))
+        out.append(batch.map(lambda _, x: x[a:b, :width]))
     return out
 
 
 def to_device(batch: Batch, device) -> Batch:
-    moved = {f.name: getattr(batch, f.name).to(device) for f in fields(batch)
-             if isinstance(getattr(batch, f.name), torch.Tensor)}
-    return replace(batch, **moved)
+    return batch.map(lambda _, x: x.to(device))
 
 
 NO_TARGET = -1  # `targets` where hidden t predicts nothing (segment end, padding); PAD_ID is a real token id
@@ -163,15 +159,12 @@ def cp_slice(batch: Batch, cp: int, rank: int) -> tuple[Batch, torch.Tensor]:
     """CP rank `rank`'s load-balanced slice of every (R, T, ...) column (routed experts included), rows first
     padded to cp_width (as pack pads: segment -1, no target, mask 0), and the global column of each kept
     position, (T',). Needs align_next first: the token alignment predicts from the previous column."""
-    if batch.mm:
-        raise ValueError("context parallelism cannot split multimodal rows: set fsdp.cp_size=1")
     assert batch.targets is not None, "cp_slice needs the next-token alignment: pack.align_next(batch) first"
     width = cp_width(batch.input_ids.shape[1], cp)
     cols = cp_columns(width, cp, rank)
     fill = {k: f for k, (f, _) in COLUMNS.items()} | {"targets": NO_TARGET}
-    cut = {f.name: _pad_columns(getattr(batch, f.name), width, fill.get(f.name, 0))[:, cols.to(batch.input_ids.device)]
-           for f in fields(batch) if isinstance(getattr(batch, f.name), torch.Tensor)}
-    return replace(batch, spans=[], **cut), cols
+    keep = cols.to(batch.input_ids.device)
+    return batch.map(lambda k, x: _pad_columns(x, width, fill.get(k, 0))[:, keep]), cols
 
 
 def cp_unslice(parts: list[torch.Tensor], width: int) -> torch.Tensor:

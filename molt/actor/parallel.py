@@ -11,7 +11,6 @@ The model code is never edited: expert modules get an instance-level forward, FS
 from __future__ import annotations
 
 import types
-from dataclasses import fields, replace
 
 import torch
 import torch.distributed as dist
@@ -203,20 +202,13 @@ def grad_norm(params, device) -> torch.Tensor:
 
 # ---- data layout ----------------------------------------------------------------------------------------------
 
-def _rows(batch: Batch, index: torch.Tensor) -> Batch:
-    cols = {f.name: getattr(batch, f.name)[index] for f in fields(batch) if isinstance(getattr(batch, f.name), torch.Tensor)}
-    return replace(batch, spans=[], **cols)
-
-
 def padding_batch(like: Batch, width: int) -> Batch:
     """One row of `width` padding tokens (segment -1, loss mask 0): a micro-batch that trains on nothing but still
     joins every collective (FSDP all-gathers, EP all-to-alls) that the other ranks' micro-batches run."""
     fill = {k: f for k, (f, _) in COLUMNS.items()}
-    cols = {f.name: torch.full((1, width, *getattr(like, f.name).shape[2:]), fill.get(f.name, 0),
-                               dtype=getattr(like, f.name).dtype)
-            for f in fields(like) if isinstance(getattr(like, f.name), torch.Tensor)}
-    cols["position_ids"] = torch.arange(width)[None]  # (1, width)
-    return replace(like, spans=[], **cols)
+    pad = like.map(lambda k, x: torch.full((1, width, *x.shape[2:]), fill.get(k, 0), dtype=x.dtype))
+    pad.position_ids = torch.arange(width)[None]  # (1, width)
+    return pad
 
 
 def shard_micro_batches(batch: Batch, mesh: DeviceMesh, rows: int) -> list[Batch]:
@@ -224,7 +216,7 @@ def shard_micro_batches(batch: Batch, mesh: DeviceMesh, rows: int) -> list[Batch
     batch; every rank returns the same count, topped up with padding micro-batches."""
     shard, shards = data_shard(mesh)
     mine = torch.arange(shard, batch.num_rows, shards)
-    out = micro_batches(_rows(batch, mine), rows) if len(mine) else []
+    out = micro_batches(batch.map(lambda _, x: x[mine]), rows) if len(mine) else []
     count = -(-(-(-batch.num_rows // shards)) // rows)  # ceil(ceil(R / S) / rows), the same on every rank
     return out + [padding_batch(batch, 2 * mesh["cp"].size())] * (count - len(out))
 

@@ -26,12 +26,11 @@ import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 from molt.agents.chat_server import close_session, open_session, shared_server
-from molt.agents.env import Generate
 from molt.config import AgentConfig
-from molt.types import Group, Rollout
+from molt.types import Generate, Group, Rollout
 
 log = logging.getLogger(__name__)
 _THREADS = ThreadPoolExecutor(max_workers=256, thread_name_prefix="molt-chat-agent")  # sync agents; lazy threads
@@ -127,12 +126,3 @@ async def run_chat_group(router_generate: Generate, tokenizer, agent_fn: Callabl
                                                        f"{group_id}/{i}", group_id, agent_cfg, sampling, release)
                                       for i in range(n)))
     return Group(group_id=group_id, sample=sample, rollouts=list(rollouts))
-
-
-def load_agent(module: Any) -> Callable:
-    """The `run_agent` of an imported agent.module, checked (for the worker and the guard rails)."""
-    fn = getattr(module, "run_agent", None)
-    if not callable(fn):
-        raise AttributeError(f"agent.mode=chat needs agent.module={module.__name__} to define run_agent(ctx) "
-                             f"(see molt/agents/chat_agent.py)")
-    return fn

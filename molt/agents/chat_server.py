@@ -49,13 +49,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from molt.agents import chat_wire as wire
-from molt.agents.env import Generate, TemplateError, render_delta, render_prompt
+from molt.agents.env import TemplateError, render_delta, render_prompt
 from molt.config import AgentConfig
-from molt.rollout import routes
-from molt.rollout.engine import SERVED_NAME, EngineDied
-from molt.types import Completion, Segment
+from molt.types import Completion, EngineDied, Generate, Segment
 
 log = logging.getLogger(__name__)
+MODEL = "policy"  # the model name /v1/models lists (requests may name any model: there is one policy)
 
 
 class ChatError(Exception):
@@ -132,7 +131,7 @@ def _record(s: Session, prompt: list[int], fresh: bool, c: Completion, keep: int
     seg = s.segments[-1]
     seg.append(prompt[len(seg.token_ids):])
     seg.append(c.token_ids[:keep], generated=True, logprobs=c.logprobs[:keep], version=c.version)
-    routes.attach(seg, c.routed_experts)  # the prompt was this segment's prefix
+    seg.attach_routes(c.routed_experts)  # the prompt was this segment's prefix
 
 
 def _reply(text: str, stop: Optional[str], c: Completion, keep: int, tools_on: bool, n_prompt: int) -> wire.Reply:
@@ -205,7 +204,7 @@ ANTHROPIC = Wire(
 
 @dataclass
 class ChatServer:
-    model: str = SERVED_NAME  # the name /v1/models lists; replies echo the request's model
+    model: str = MODEL  # the name /v1/models lists; replies echo the request's model
     sessions: dict[str, Session] = field(default_factory=dict)
     port: int = 0
     server: Optional[uvicorn.Server] = None
@@ -269,7 +268,7 @@ def build_app(srv: ChatServer) -> FastAPI:
     return app
 
 
-async def start_server(model: str = SERVED_NAME) -> ChatServer:
+async def start_server(model: str = MODEL) -> ChatServer:
     """Serve on 127.0.0.1 (a free port) inside the running event loop; returns once it accepts connections."""
     srv = ChatServer(model)
     # proto IPPROTO_TCP, not the default 0: asyncio sets TCP_NODELAY only on sockets that say TCP, and

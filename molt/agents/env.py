@@ -37,22 +37,14 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 from molt.config import AgentConfig
-from molt.rollout import routes
-from molt.types import Completion, Group, Rollout, Segment
+from molt.types import Generate, Group, Rollout, Segment
 
 log = logging.getLogger(__name__)
 MARK = "MOLT_TURN_MARK"  # dummy assistant content; everything the template adds after it is glue
 _DUMMY = [{"role": "user", "content": "u"}, {"role": "assistant", "content": MARK}]
-
-
-class Generate(Protocol):
-    """`Router.generate`: one engine call of one rollout (sticky to its engine)."""
-
-    async def __call__(self, rollout_id: str, token_ids: list[int], max_tokens: int, temperature: float = 1.0,
-                       top_p: float = 1.0, top_k: int = -1, stop_token_ids: list[int] | None = None) -> Completion: ...
 
 
 class EnvError(Exception):
@@ -134,7 +126,7 @@ async def _drive(ro: Rollout, generate: Generate, tokenizer, make_env, sample: d
         c = await generate(ro.rollout_id, list(seg.token_ids), budget, **sampling)
         assert c.token_ids, f"engine returned no tokens for rollout {ro.rollout_id}"
         seg.append(list(c.token_ids), generated=True, logprobs=c.logprobs, version=c.version)
-        routes.attach(seg, c.routed_experts)  # the call covered the whole segment: its routes replace older ones
+        seg.attach_routes(c.routed_experts)  # the call covered the whole segment: its routes replace older ones
         ro.info["turns"] = turn + 1.0
         obs, reward, done = await _step(env, tokenizer.decode(c.token_ids, skip_special_tokens=True))
         ro.reward += reward

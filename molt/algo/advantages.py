@@ -4,13 +4,16 @@ Reward estimators return one advantage per rollout (R,); the loop spreads it ove
 generated tokens, so a rollout of several segments (context compaction) counts once in its group's
 baseline. Token estimators (`opd`, `gae`) also take per-token tables (R, L) of each rollout's
 generated tokens, in order across its segments (see `token_table`), and return (R, L).
-Adding an estimator = one function + one `ESTIMATORS` entry (+ `GROUP_BASELINE` if it needs
-several samples per prompt, `NEEDS` if it needs a model beside the actor) + its config fields in
-`EstimatorConfig` + conf/estimator/<name>.yaml.
+Adding an estimator = one function + one `ESTIMATORS` entry (saying whether it baselines against
+the group and which helper models it needs beside the policy, molt/actor/helpers.py) + its config
+fields in `EstimatorConfig` + conf/estimator/<name>.yaml. A contract test checks that every
+parameter of every estimator is a per-token table or an EstimatorConfig field.
 """
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -95,23 +98,48 @@ def gae(rewards: torch.Tensor, group_ids: torch.Tensor, values: torch.Tensor, ma
     return (adv - mean) / (std + eps) * mask
 
 
-ESTIMATORS = {"grpo": grpo, "reinforce_pp": reinforce_pp, "rloo": rloo, "opd": opd, "gae": gae}
-GROUP_BASELINE = {"grpo", "reinforce_pp", "rloo"}  # baseline from the group: n=1 gives zero advantages
-NEEDS = {"opd": ("teacher",), "gae": ("critic",)}  # models the loop loads beside the actor
+def gae_targets(rewards: torch.Tensor, group_ids: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                gamma: float = 1.0, lam: float = 0.95) -> dict[str, torch.Tensor]:
+    """The critic's regression targets: the lambda-returns A + V (before whitening), (R, L)."""
+    return {"critic": gae_raw(rewards, values, mask, gamma, lam) + values}
 
 
-def compute_advantages(cfg, rewards: torch.Tensor, group_ids: torch.Tensor, **tables) -> torch.Tensor:
-    """Dispatch on `estimator.name`. Arguments after (rewards, group_ids) come from `tables` (per-token (R, L)
-    inputs: mask, student_logp, teacher_logp, values) or else from `cfg` by name. Returns (R,) or (R, L)."""
-    if cfg.name not in ESTIMATORS:
-        raise ValueError(f"estimator.name={cfg.name!r} is unknown; valid names: {sorted(ESTIMATORS)}")
-    fn = ESTIMATORS[cfg.name]
+@dataclass(frozen=True)
+class Estimator:
+    fn: Callable  # (rewards (R,), group_ids (R,), per-token tables / config fields by name) -> (R,) or (R, L)
+    group_baseline: bool = False  # baselines each sample against its group: rollout.n = 1 gives zero advantages
+    helpers: tuple[str, ...] = ()  # models it needs beside the policy (molt/actor/helpers.py)
+    targets: Callable | None = None  # same arguments -> {helper: (R, L) per-token targets it trains on}
+
+
+ESTIMATORS = {"grpo": Estimator(grpo, group_baseline=True), "reinforce_pp": Estimator(reinforce_pp, group_baseline=True),
+              "rloo": Estimator(rloo, group_baseline=True), "opd": Estimator(opd, helpers=("teacher",)),
+              "gae": Estimator(gae, helpers=("critic",), targets=gae_targets)}
+TABLES = {"mask", "student_logp", "teacher_logp", "values"}  # per-token (R, L) inputs the loop can provide
+HELPER_TABLES = {"teacher": "teacher_logp", "critic": "values"}  # helper -> the table its scores fill
+
+
+def _bind(fn: Callable, cfg, rewards, group_ids, tables: dict):
+    """Call fn(rewards, group_ids, ...): later arguments from `tables` (per-token (R, L) inputs) or `cfg` by name."""
     kwargs = {}
     for k, p in list(inspect.signature(fn).parameters.items())[2:]:
         if k in tables or hasattr(cfg, k):
             kwargs[k] = tables[k] if k in tables else getattr(cfg, k)
         assert k in kwargs or p.default is not p.empty, f"estimator {cfg.name} needs the per-token input {k!r}"
     return fn(torch.as_tensor(rewards, dtype=torch.float32), torch.as_tensor(group_ids), **kwargs)
+
+
+def compute_advantages(cfg, rewards: torch.Tensor, group_ids: torch.Tensor, **tables) -> torch.Tensor:
+    """Dispatch on `estimator.name`; returns (R,) or (R, L). `tables`: mask, student_logp, teacher_logp, values."""
+    if cfg.name not in ESTIMATORS:
+        raise ValueError(f"estimator.name={cfg.name!r} is unknown; valid names: {sorted(ESTIMATORS)}")
+    return _bind(ESTIMATORS[cfg.name].fn, cfg, rewards, group_ids, tables)
+
+
+def helper_targets(cfg, rewards: torch.Tensor, group_ids: torch.Tensor, **tables) -> dict[str, torch.Tensor]:
+    """What the estimator's trainable helpers regress on this step, {helper: (R, L)} ({} for most estimators)."""
+    fn = ESTIMATORS[cfg.name].targets
+    return _bind(fn, cfg, rewards, group_ids, tables) if fn else {}
 
 
 def token_table(rollouts: list, columns: list[list[float]]) -> torch.Tensor:

@@ -33,22 +33,11 @@ import torch
 
 from molt.config import EngineConfig
 from molt.rollout import routes
-from molt.types import Completion
+from molt.types import Completion, EngineDied  # noqa: F401 (EngineDied: raised here, imported from here)
 
 SERVED_NAME = "policy"
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _LIBC = ctypes.CDLL(None, use_errno=True)  # resolved here: no dlopen between fork and exec
-
-
-class EngineDied(RuntimeError):
-    """An engine stopped answering (connection refused/reset, timeout, or a 5xx)."""
-
-    def __init__(self, name: str, detail: str):
-        super().__init__(f"engine {name} died or is unreachable: {detail}")
-        self.name, self.detail = name, detail
-
-    def __reduce__(self):  # rebuilt from (name, detail) when it crosses a Ray boundary
-        return EngineDied, (self.name, self.detail)
 
 
 # ---------------------------------------------------------------------------------------------

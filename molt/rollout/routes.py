@@ -9,7 +9,8 @@ it was never fed through the model. Gotcha: vllm 0.32 sizes the layer axis by *a
 or one row per MoE layer.
 
 Our arrays are int32 with -1 for unknown, one row per token (the last token's row is -1), so
-`Segment.routed_experts` is (len(token_ids), layers, top_k) like every other segment column.
+`Segment.routed_experts` is (len(token_ids), layers, top_k) like every other segment column
+(`Segment.attach_routes` merges each call's routes into its segment).
 """
 from __future__ import annotations
 
@@ -19,10 +20,7 @@ import io
 
 import numpy as np
 
-from molt.types import Segment
-
-UNKNOWN = -1  # replay keeps the router's own top-k for such (token, layer) rows
-DTYPE = np.int32  # holds uint16 expert ids and -1
+from molt.types import ROUTE_DTYPE as DTYPE, ROUTE_UNKNOWN as UNKNOWN
 
 
 def decode(b64: str, num_tokens: int) -> np.ndarray:
@@ -38,26 +36,3 @@ def decode(b64: str, num_tokens: int) -> np.ndarray:
     out = np.full((num_tokens, *wire.shape[1:]), UNKNOWN, DTYPE)
     out[:-1] = np.where(wire < 0, UNKNOWN, wire)  # uint16 ids up to 65535 fit int32
     return out
-
-
-def attach(seg: Segment, routes: np.ndarray | None) -> None:
-    """Give `seg` the routes of its latest engine call, after the call's output was appended.
-
-    The call's prompt was the segment's prefix, so row i of `routes` (prompt + output) is token i of the
-    segment; output cut short (a stop string) keeps only its first rows. A later call re-routes the same
-    prefix, so its rows replace older ones, except where it knows nothing (-1, a prefix-cache hit: the
-    older call computed those tokens). Tokens no call has fed (the last one) stay -1.
-    """
-    old, n = seg.routed_experts, len(seg.token_ids)
-    if routes is None and old is None:
-        return
-    shape = (routes if routes is not None else old).shape[1:]
-    assert old is None or old.shape[1:] == shape, f"routes of shape {shape} for a segment routed as {old.shape}"
-    out = np.full((n, *shape), UNKNOWN, DTYPE)  # (n, layers, top_k)
-    if old is not None:
-        out[:min(n, len(old))] = old[:n]
-    if routes is not None:
-        new = routes[:n]
-        known = (new >= 0).all(-1)  # (m, layers)
-        out[:len(new)][known] = new[known]
-    seg.routed_experts = out

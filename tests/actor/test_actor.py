@@ -8,9 +8,11 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from molt.actor.actor import Actor
+from molt.actor.helpers import Frozen
 from molt.actor.pack import micro_batches, pack
 from molt.assets import ensure_model
-from molt.config import IsCorrectionConfig, TrainConfig
+from molt.algo.loss import Objective
+from molt.config import IsCorrectionConfig, LossConfig, TrainConfig
 from molt.types import Segment
 
 LENGTHS = (5, 17, 9, 30, 4, 12, 25, 8, 20, 3)  # row_tokens=32 packs these into 5 rows
@@ -172,6 +174,13 @@ def test_state_dict_round_trip(model_dir):
         assert torch.equal(p, q), k
 
 
+def kl_actor(model_dir, train, kl_coef, is_correction=None):
+    """An actor whose objective has a KL penalty, with the frozen reference (the initial policy) as its helper."""
+    actor = Actor(model_dir, train, objective=Objective(LossConfig(), is_correction, kl_coef))
+    actor.helpers["reference"] = Frozen(actor, model_dir, replay=False)
+    return actor
+
+
 def _off_policy(actor, segs, scale=0.3):
     """Behaviour log-probs a little off the actor's (deterministic per token), so ratios spread around 1."""
     segs = with_logprobs(segs, actor.logprobs(segs))
@@ -183,7 +192,7 @@ def _off_policy(actor, segs, scale=0.3):
                                                  ("token", "trunc", 0.0, 1.2)])
 def test_gradient_independent_of_micro_batch_split_with_is_and_kl(model_dir, level, mode, low, high):
     is_cfg = IsCorrectionConfig(level=level, mode=mode, low=low, high=high)
-    actor = Actor(model_dir, TrainConfig(row_tokens=32, kl_coef=0.1, lr=1e-2), is_correction=is_cfg)
+    actor = kl_actor(model_dir, TrainConfig(row_tokens=32, lr=1e-2), 0.1, is_cfg)
     segs = make_segments()
     actor.train_step(with_logprobs(segs, actor.logprobs(segs)), [1.0] * len(segs))  # move off the reference
     segs = _off_policy(actor, segs)
@@ -208,18 +217,18 @@ def test_gradient_independent_of_micro_batch_split_with_is_and_kl(model_dir, lev
 def test_entropy_and_reference_kl(model_dir):
     """entropy/mean equals the full-softmax entropy at the sampling temperature; the reference is the initial
     policy (KL 0 before any step, > 0 after) and is not loaded when kl_coef = 0."""
-    assert Actor(model_dir, TrainConfig()).reference is None
-    actor = Actor(model_dir, TrainConfig(row_tokens=64, kl_coef=0.5, lr=1e-2))
+    assert Actor(model_dir, TrainConfig()).objective.needs == ()
+    actor = kl_actor(model_dir, TrainConfig(row_tokens=64, lr=1e-2), 0.5)
     segs = make_segments(seed=5)
     segs = with_logprobs(segs, actor.logprobs(segs, temperature=0.7))
     m = actor.train_step(segs, [1.0] * len(segs), temperature=0.7)
     with torch.no_grad():
         expected = []
         for s in segs:
-            logits = actor.reference(torch.tensor([s.token_ids])).logits[0, :-1].float() / 0.7  # (n-1, V)
+            logits = actor.helpers["reference"].model(torch.tensor([s.token_ids])).logits[0, :-1].float() / 0.7  # (n-1, V)
             h = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
             expected += [x for x, mk in zip(h.tolist(), s.loss_mask[1:]) if mk]
     assert m["entropy/mean"] == pytest.approx(sum(expected) / len(expected), abs=1e-5)
     assert m["kl/ref_k3"] == pytest.approx(0.0, abs=1e-7)
     assert actor.train_step(segs, [1.0] * len(segs), temperature=0.7)["kl/ref_k3"] > 1e-4
-    assert all(not p.requires_grad for p in actor.reference.parameters())
+    assert all(not p.requires_grad for p in actor.helpers["reference"].model.parameters())

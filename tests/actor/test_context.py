@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from molt.actor import context
 from molt.actor.actor import load_model, token_logprobs
 from molt.actor.pack import NO_TARGET, align_next, cp_slice, cp_unslice, cp_width, pack, unalign
-from molt.algo.loss import actor_loss
+from molt.algo.loss import Objective
 from molt.assets import ensure_model
 from molt.config import FsdpConfig, TrainConfig
 from tests.actor.test_actor import make_segments
@@ -41,7 +41,7 @@ def run_loss(model, batch, num_loss_tokens, n_seq):
     with torch.no_grad():
         every = token_logprobs(model, batch, TEMPERATURE)  # (R, T)
     logp, ent = token_logprobs(model, batch, TEMPERATURE, loss_only=True, entropy=True)  # (R, T) x 2
-    loss, _ = actor_loss(logp, ent, None, batch, num_loss_tokens, n_seq, TrainConfig(), None)
+    loss, _ = Objective()(logp, ent, batch, num_loss_tokens, n_seq)
     loss.backward()
     return loss.detach(), every
 
@@ -146,7 +146,7 @@ def test_aligned_logprobs_and_loss_equal_token_alignment(model_dirs):
     with torch.no_grad():
         for b in (batch, align_next(batch)):
             logp, ent = token_logprobs(model, b, TEMPERATURE, loss_only=True, entropy=True)  # (R, T) x 2
-            out.append((actor_loss(logp, ent, None, b, n, n_seq, TrainConfig(), None)[0], logp,
+            out.append((Objective()(logp, ent, b, n, n_seq)[0], logp,
                         token_logprobs(model, b, TEMPERATURE)))
     (loss, logp, every), (a_loss, a_logp, a_every) = out
     assert every.abs().sum() > 0 and (logp != 0).sum() == batch.loss_mask.sum()
@@ -174,11 +174,7 @@ def test_cp_slice_round_trip(cp):
     assert (padding == -1).all() and (cp_unslice([s.targets for s, _ in slices], width)[:, T:] == NO_TARGET).all()
 
 
-def test_cp_slice_refuses_unaligned_and_multimodal_rows():
+def test_cp_slice_refuses_unaligned_rows():
     batch = make_batch()[0]
     with pytest.raises(AssertionError, match="align_next"):
         cp_slice(batch, 2, 0)
-    aligned = align_next(batch)
-    aligned.mm = [{"pixel_values": torch.zeros(1)}]
-    with pytest.raises(ValueError, match="fsdp.cp_size=1"):
-        cp_slice(aligned, 2, 0)

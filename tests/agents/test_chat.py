@@ -19,7 +19,8 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from molt.agents.chat_agent import load_agent, run_chat_group, run_chat_rollout
+from molt.agents import load_agent
+from molt.agents.chat_agent import run_chat_group, run_chat_rollout
 from molt.agents.chat_server import close_session, open_session, shared_server, stop_shared_server
 from molt.assets import ensure_model
 from molt.config import AgentConfig, EngineConfig
@@ -527,7 +528,7 @@ def test_engine_death_propagates(loop, tok):
 
 def test_load_agent_names_the_contract():
     with pytest.raises(AttributeError, match="run_agent"):
-        load_agent(json)
+        load_agent("chat", json)
 
 
 # ---- the calculator example: ChatAgent (openai SDK) and Env mode see the same tokens ----
@@ -545,7 +546,7 @@ def test_calculator_chat_agent_and_env_agree(loop, client, tok):
     call = r'<tool_call>\n\{"name": "calculator", "arguments": \{"expression": "23 \+ 58"\}\}\n</tool_call>'
     regexes, greedy = [call, r"8[0-9]"], {"temperature": 0.0}
     cfg = AgentConfig(mode="chat", max_turns=3, max_tokens_per_turn=100, max_total_tokens=512)
-    chat = run(loop, run_chat_group(constrained(client, regexes, greedy=True), tok, load_agent(calc_agent), sample,
+    chat = run(loop, run_chat_group(constrained(client, regexes, greedy=True), tok, load_agent("chat", calc_agent), sample,
                                     "calc", 1, cfg, greedy)).rollouts[0]
     env = run(loop, run_group(constrained(client, regexes, greedy=True), tok, calc_env.make_env, sample, "calc", 1,
                               cfg, greedy)).rollouts[0]
@@ -564,6 +565,6 @@ def test_calculator_chat_agent_with_the_policy(loop, client, tok):
     rows = [json.loads(line) for line in open("experiments/calculator/data/train.jsonl")][:2]
     cfg = AgentConfig(mode="chat", max_turns=3, max_tokens_per_turn=16, max_total_tokens=512)
     for i, row in enumerate(rows):
-        g = run(loop, run_chat_group(Router([client]).generate, tok, load_agent(calc_agent), row, f"c{i}", 4, cfg,
+        g = run(loop, run_chat_group(Router([client]).generate, tok, load_agent("chat", calc_agent), row, f"c{i}", 4, cfg,
                                      {"temperature": 1.0}))
         assert all(r.status == "ok" and 0.0 <= r.reward <= 1.0 and r.info["turns"] >= 1 for r in g.rollouts)

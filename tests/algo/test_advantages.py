@@ -5,7 +5,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from molt.algo.advantages import (ESTIMATORS, GROUP_BASELINE, compute_advantages, gae, gae_raw, grpo, opd, reinforce_pp,
+from molt.algo.advantages import (ESTIMATORS, HELPER_TABLES, TABLES, compute_advantages, gae, gae_raw, grpo, opd, reinforce_pp,
                                   rloo, token_table, untable)
 from molt.config import EstimatorConfig, RunConfig
 from molt.loop import prepare
@@ -55,7 +55,23 @@ def test_compute_advantages_dispatch():
     torch.testing.assert_close(compute_advantages(EstimatorConfig(name="rloo"), REWARDS, GROUPS), rloo(REWARDS, GROUPS))
     with pytest.raises(ValueError, match=r"estimator.name='nope'.*\['gae', 'grpo'"):
         compute_advantages(EstimatorConfig(name="nope"), REWARDS, GROUPS)
-    assert GROUP_BASELINE <= set(ESTIMATORS)
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_every_estimator_parameter_is_known(name):
+    """Estimator arguments are bound by name (advantages._bind): a misspelt one would silently keep its default.
+    Each must be a per-token table the loop provides or an EstimatorConfig field; each helper fills a table."""
+    import dataclasses
+    import inspect
+
+    fields = {f.name for f in dataclasses.fields(EstimatorConfig)}
+    entry = ESTIMATORS[name]
+    for fn in filter(None, (entry.fn, entry.targets)):
+        params = list(inspect.signature(fn).parameters)
+        assert params[:2] == ["rewards", "group_ids"], fn.__name__
+        unknown = set(params[2:]) - TABLES - fields
+        assert not unknown, f"{fn.__name__}: {unknown} is neither a per-token table nor an EstimatorConfig field"
+    assert set(entry.helpers) <= set(HELPER_TABLES) | {"reference"}
 
 
 def _rollout(rid: str, gid: str, reward: float, num_segments: int) -> Rollout:
@@ -74,11 +90,11 @@ def test_multi_segment_rollout_counts_once(name):
     cfg = OmegaConf.structured(RunConfig(estimator=EstimatorConfig(name=name)))
     groups = [Group("a", {}, [_rollout("a/0", "a", 1.0, 3), _rollout("a/1", "a", 0.0, 1)]),
               Group("b", {}, [_rollout("b/0", "b", 0.0, 1), _rollout("b/1", "b", 0.5, 2)])]
-    segments, per_segment, metrics, returns = prepare(groups, cfg)
+    prep = prepare(groups, cfg)
     expected = compute_advantages(cfg.estimator, [1.0, 0.0, 0.0, 0.5], [0, 0, 1, 1]).tolist()
-    assert len(segments) == 7 and returns is None
-    assert per_segment == [expected[0]] * 3 + [expected[1], expected[2]] + [expected[3]] * 2
-    assert metrics["reward/mean"] == pytest.approx(1.5 / 4)  # per rollout, not per segment
+    assert len(prep.segments) == 7 and prep.helper_targets == {}
+    assert prep.advantages == [expected[0]] * 3 + [expected[1], expected[2]] + [expected[3]] * 2
+    assert prep.metrics["reward/mean"] == pytest.approx(1.5 / 4)  # per rollout, not per segment
 
 
 def test_opd_hand_worked():

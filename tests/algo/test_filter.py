@@ -1,23 +1,14 @@
 """Dynamic batch filtering in `collect`: constant groups are dropped, their credit returns at once, the batch fills
 from the queue, and a task where every group is constant stops the run. The queue is a real Queue; the worker is a
-small fake that records the credits it is given."""
+list that records the credits refunded."""
 import queue
 
 import pytest
 from omegaconf import OmegaConf
 
 from molt.config import FilterConfig, RunConfig
-from molt.loop import collect, step_metrics
+from molt.loop import collect, rollout_metrics
 from molt.types import Group, Rollout, Segment
-
-
-class Credits:
-    """The rollout worker's `grant.remote(n)`, recorded."""
-
-    def __init__(self):
-        self.granted = []
-        self.grant = self
-        self.remote = self.granted.append
 
 
 def group(i: int, rewards: list[float], version: int = 0, failed: int = 0) -> Group:
@@ -33,11 +24,11 @@ def group(i: int, rewards: list[float], version: int = 0, failed: int = 0) -> Gr
 def run_collect(groups, enabled=True, groups_per_step=2, factor=10.0, version=0):
     cfg = OmegaConf.structured(RunConfig(filter=FilterConfig(enabled=enabled, max_drop_factor=factor)))
     cfg.train.groups_per_step, cfg.rollout.n = groups_per_step, 3
-    q, worker = queue.Queue(), Credits()
+    q, granted = queue.Queue(), []
     for g in groups:
         q.put(("group", g))
-    kept, counts = collect(q, [], cfg, version, worker)
-    return kept, counts, worker.granted, q.qsize()
+    kept, counts = collect(lambda: q.get(timeout=1), cfg, version, refund=granted.append)
+    return kept, counts, granted, q.qsize()
 
 
 def test_constant_groups_are_dropped_and_the_batch_fills_up():
@@ -46,7 +37,7 @@ def test_constant_groups_are_dropped_and_the_batch_fills_up():
     kept, counts, granted, left = run_collect(groups)
     assert [g.group_id for g in kept] == ["g1", "g3"] and left == 1  # g4 stays queued for the next step
     assert counts["filtered"] == 2 and granted == [1, 1]  # each dropped group's credit went back at once
-    metrics = step_metrics(kept, counts, 1, 0.0, 0.0, 0.0, 0.0, 1.0)
+    metrics = rollout_metrics(kept, counts, 1, 0.0)
     assert metrics["filter/dropped"] == 2 and metrics["filter/dropped_frac"] == pytest.approx(2 / 4)
 
 

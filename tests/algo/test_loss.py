@@ -3,8 +3,15 @@ import math
 import pytest
 import torch
 
-from molt.algo.loss import actor_loss, combine, kl_penalty, policy_loss
-from molt.config import IsCorrectionConfig, TrainConfig
+from molt.algo.loss import LOSSES, Objective, combine, kl_penalty
+from molt.config import IsCorrectionConfig, LossConfig
+
+PPO = LossConfig()  # ppo_clip, band [0.8, 1.28]
+
+
+def policy_loss(logp, old, adv, mask, num_loss_tokens, clip_low=0.2, clip_high=0.28, weight=None):
+    return LOSSES["ppo_clip"](logp, old, adv, mask, torch.zeros_like(mask).long(), num_loss_tokens,
+                              LossConfig(clip_low=clip_low, clip_high=clip_high), weight)
 from molt.types import Batch
 
 
@@ -50,6 +57,48 @@ def test_clip_band_edges(adv, ratio, has_grad):
         assert logp.grad.item() == pytest.approx(-ratio * adv, rel=1e-5)
 
 
+def test_gspo_hand_worked():
+    """Sequence 0 (2 tokens, log-ratios .2 and .4): s = e^.3 = 1.3499 > 1.28 with A = 1, clipped, no gradient;
+    sequence 1 (1 token, log-ratio -.1): s = e^-.1 = .9048 inside the band with A = -1."""
+    old = torch.tensor([[-1.0, -1.0, -2.0, -1.0]])
+    logp = (old + torch.tensor([[0.2, 0.4, -0.1, 5.0]])).requires_grad_()
+    adv, mask = torch.tensor([[1.0, 1.0, -1.0, 9.0]]), torch.tensor([[1.0, 1.0, 1.0, 0.0]])  # last: off the mask
+    segs = torch.tensor([[0, 0, 1, 1]])
+    loss, m = LOSSES["gspo"](logp, old, adv, mask, segs, 3, LossConfig(clip_low=0.2, clip_high=0.28))
+    assert loss.item() == pytest.approx((-1.28 * 2 + math.exp(-0.1)) / 3, abs=1e-6)
+    loss.backward()
+    assert logp.grad[0].tolist() == pytest.approx([0.0, 0.0, math.exp(-0.1) / 3, 0.0], abs=1e-6)
+    assert m["clip/frac"].item() == pytest.approx(2 / 3) and m["clip/high_frac"].item() == pytest.approx(2 / 3)
+    # a wide band: both tokens of sequence 0 get the SEQUENCE ratio's gradient, -s A / n (PPO: e^.2 and e^.4)
+    logp.grad = None
+    LOSSES["gspo"](logp, old, adv, mask, segs, 3, LossConfig(clip_low=0.9, clip_high=9.0))[0].backward()
+    assert logp.grad[0, :2].tolist() == pytest.approx([-math.exp(0.3) / 3] * 2, abs=1e-6)
+
+
+def test_cispo_hand_worked():
+    """Weights sg(clip(r, 1 - 1, 1 + .28)) = [1, 1.28 (r = e^.5), e^-.5 (no lower bound), 1.28 (r = 1.5)]; the
+    gradient of every token is -w A / n, also where PPO would clip it to zero."""
+    old = torch.full((1, 4), -1.0)
+    logp = (old + torch.tensor([[0.0, 0.5, -0.5, math.log(1.5)]])).requires_grad_()
+    adv, mask, segs = torch.tensor([[1.0, 1.0, -1.0, 2.0]]), torch.ones(1, 4), torch.zeros(1, 4).long()
+    loss, m = LOSSES["cispo"](logp, old, adv, mask, segs, 4, LossConfig(clip_low=1.0, clip_high=0.28))
+    w = [1.0, 1.28, math.exp(-0.5), 1.28]
+    lp = logp.detach()[0].tolist()
+    assert loss.item() == pytest.approx(-sum(wi * a * x for wi, a, x in zip(w, [1, 1, -1, 2], lp)) / 4, abs=1e-6)
+    assert loss.item() == pytest.approx(0.5630535, abs=1e-6)
+    loss.backward()
+    assert logp.grad[0].tolist() == pytest.approx([-1 / 4, -1.28 / 4, math.exp(-0.5) / 4, -2.56 / 4], abs=1e-6)
+    assert m["clip/frac"].item() == pytest.approx(2 / 4) and m["clip/low_frac"].item() == 0.0
+
+
+def test_every_loss_has_a_config_file():
+    from pathlib import Path
+
+    from molt.config import REPO
+
+    assert {p.stem for p in Path(REPO, "conf", "loss").glob("*.yaml")} == set(LOSSES)
+
+
 def test_kl_penalty_hand_worked():
     logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
     ref = torch.tensor([[-1.0, -1.0, -3.0]])
@@ -66,7 +115,7 @@ def _mb(logp, behaviour, adv, mask, segs):
                  behaviour_logp=behaviour, advantages=adv, segment_ids=segs)
 
 
-def test_actor_loss_with_is_weights_and_kl():
+def test_objective_with_is_weights_and_kl():
     """IS on: the gradient is -w_t A_t / n per token (gated tokens: 0), plus the KL term; ratios vs the proximal
     policy are 1, so the clip never fires."""
     behaviour = torch.tensor([[-1.0, -1.0, -1.0, -1.0]])
@@ -74,9 +123,10 @@ def test_actor_loss_with_is_weights_and_kl():
     logp = (behaviour + log_ratio).requires_grad_()
     adv, mask, segs = torch.tensor([[0.0, 2.0, 2.0, -1.0]]), torch.tensor([[0.0, 1, 1, 1]]), torch.zeros(1, 4).long()
     ref = logp.detach() + torch.tensor([[0.0, 0.0, 0.0, 0.5]])
-    train = TrainConfig(kl_coef=0.2)
-    loss, m = actor_loss(logp, torch.tensor([[9.0, 1.0, 2.0, 3.0]]), ref, _mb(logp, behaviour, adv, mask, segs),
-                         3, 1, train, IsCorrectionConfig(level="token", mode="mask", low=0.5, high=2.0))
+    objective = Objective(PPO, IsCorrectionConfig(level="token", mode="mask", low=0.5, high=2.0), kl_coef=0.2)
+    assert objective.needs == ("reference",)
+    loss, m = objective(logp, torch.tensor([[9.0, 1.0, 2.0, 3.0]]), _mb(logp, behaviour, adv, mask, segs), 3, 1,
+                        reference=ref)
     loss.backward()
     kl_grad = 0.2 * (1 - math.exp(0.5)) / 3  # last token only: d = 0.5
     assert logp.grad[0].tolist() == pytest.approx([0.0, -1.5 * 2 / 3, 0.0, 0.8 / 3 + kl_grad], abs=1e-6)
@@ -86,11 +136,12 @@ def test_actor_loss_with_is_weights_and_kl():
     assert m["is/ratio_max"].item() == pytest.approx(3.0)
 
 
-def test_actor_loss_without_correction_is_ppo_against_behaviour():
+def test_objective_without_correction_is_ppo_against_behaviour():
     logp, behaviour, adv, mask = _case()
     segs = torch.zeros_like(mask).long()
-    loss, m = actor_loss(logp, torch.zeros_like(logp), None, _mb(logp, behaviour, adv, mask, segs), 8, 1,
-                         TrainConfig(), IsCorrectionConfig())
+    objective = Objective(PPO, IsCorrectionConfig())
+    assert objective.needs == ()
+    loss, m = objective(logp, torch.zeros_like(logp), _mb(logp, behaviour, adv, mask, segs), 8, 1)
     assert loss.item() == pytest.approx(policy_loss(logp, behaviour, adv, mask, 8, 0.2, 0.28)[0].item())
     assert "kl/ref_k3" not in m and "is/token_gated_frac" not in m and m["is/ratio_min"] > 0
 

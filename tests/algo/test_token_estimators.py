@@ -1,16 +1,17 @@
-"""opd and gae end to end through `prepare` with real models: a frozen teacher, a trained critic."""
+"""opd and gae end to end through `prepare` with real models: a frozen teacher and a trained critic, both helper
+models of the actor (molt/actor/helpers.py), built from the run config by `run_actor`."""
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 from molt import checkpoint, guards
-from molt.actor.actor import Actor, load_model, segment_logprobs
+from molt.actor.actor import load_model, per_token, token_logprobs
+from molt.actor.group import run_actor
 from molt.algo.advantages import gae_raw, token_table
-from molt.algo.critic import Critic
 from molt.algo.loss import value_loss
 from molt.assets import ensure_model
 from molt.config import EstimatorConfig, RunConfig, TrainConfig
-from molt.loop import prepare, restore, train_critic
+from molt.loop import prepare, restore
 from molt.types import Group, Rollout, Segment
 from tests.actor.test_actor import make_segments
 
@@ -30,20 +31,26 @@ def groups_of(segments, rewards):
     return [Group(f"g{k}", {}, rollouts[2 * k:2 * k + 2]) for k in range(len(rollouts) // 2)]
 
 
+def logprobs_of(model, segs, train):
+    return per_token(lambda mb: token_logprobs(model, mb, 1.0), segs, train, "cpu")
+
+
 def test_opd_advantage_is_teacher_minus_student(model_dir):
     cfg = run_cfg(name="opd", teacher_path=str(model_dir), opd_coef=0.5)
-    teacher = load_model(model_dir, "float32", "sdpa", "cpu", trainable=False)
+    actor = run_actor(cfg, model_dir)
+    assert set(actor.helpers) == {"teacher"}
     segs = make_segments(seed=7, lengths=(6, 9, 5, 12, 7, 4, 8, 10))
-    ref = segment_logprobs(teacher, segs, 1.0, cfg.train, "cpu")
+    ref = logprobs_of(load_model(model_dir, "float32", "sdpa", "cpu", trainable=False), segs, cfg.train)
     shift = [0.1 * (i + 1) for i in range(len(segs))]  # student log-probs above the teacher's by `shift`
     segs = [Segment(s.token_ids, s.loss_mask, [(x + d) * m for x, m in zip(lp, s.loss_mask)], s.versions)
             for s, lp, d in zip(segs, ref, shift)]
-    segments, per_segment, metrics, returns = prepare(groups_of(segs, [0.0] * 4), cfg, {"teacher": teacher})
-    for s, adv, d in zip(segments, per_segment, shift):
+    prep = prepare(groups_of(segs, [0.0] * 4), cfg, actor)
+    for s, adv, d in zip(prep.segments, prep.advantages, shift):
         assert [pytest.approx(a, abs=1e-5) for a in adv] == [-0.5 * d * m for m in s.loss_mask]
     gen = [(d, s.num_generated) for s, d in zip(segs, shift)]
-    assert metrics["opd/reverse_kl"] == pytest.approx(sum(d * n for d, n in gen) / sum(n for _, n in gen), abs=1e-5)
-    assert returns is None
+    assert prep.metrics["opd/reverse_kl"] == pytest.approx(sum(d * n for d, n in gen) / sum(n for _, n in gen),
+                                                           abs=1e-5)
+    assert prep.helper_targets == {}
 
 
 def test_value_loss_clip_hand_worked():
@@ -55,48 +62,53 @@ def test_value_loss_clip_hand_worked():
     assert v.grad.tolist() == [[0.0, pytest.approx(0.6 / 2)]]
 
 
-def test_critic_learns_returns_and_gae_uses_it(model_dir, tmp_path):
+def test_critic_learns_returns_and_gae_uses_it(model_dir):
     cfg = run_cfg(name="gae", gamma=1.0, lam=1.0, critic_lr=1e-2)
-    critic = Critic(model_dir, cfg)
+    actor = run_actor(cfg, model_dir)
+    values = lambda: actor.score(segments, ["critic"])["critic"]  # noqa: E731
     segs = make_segments(seed=8, lengths=(6, 9, 5, 12, 7, 4, 8, 10))
     groups = groups_of(segs, [1.0, 0.0, 1.0, 0.5])
-    segments, per_segment, _, returns = prepare(groups, cfg, {"critic": critic})
-    assert all(v == 0.0 for s in critic.values(segments) for v in s)  # zero head: V = 0 before training
+    prep = prepare(groups, cfg, actor)
+    segments, returns = prep.segments, prep.helper_targets["critic"]
+    assert all(v == 0.0 for s in values() for v in s)  # zero head: V = 0 before training
     # lam = gamma = 1 with V = 0: every generated token's return is its rollout's reward
     rollouts = [r for g in groups for r in g.rollouts]
     want = [[r.reward * m for m in s.loss_mask] for r in rollouts for s in r.segments]
     assert [pytest.approx(x) for x in returns] == want
-    losses = [train_critic({"critic": critic}, segments, returns)["critic/loss"] for _ in range(15)]
+    losses = [actor.train_helpers(segments, prep.helper_targets)["critic/loss"] for _ in range(15)]
     assert losses[-1] < 0.4 * losses[0]  # at least the mean return is learned (prefixes are random tokens)
-    values = critic.values(segments)
-    assert all(v[0] == 0.0 for v in values)
-    mask, v = token_table(rollouts, [s.loss_mask for s in segments]), token_table(rollouts, values)
+    v_now = values()
+    assert all(v[0] == 0.0 for v in v_now)
+    mask, v = token_table(rollouts, [s.loss_mask for s in segments]), token_table(rollouts, v_now)
     rewards = torch.tensor([r.reward for r in rollouts])
     # lam = gamma = 1: A_t = R - V_t, now smaller than with V = 0
     raw = gae_raw(rewards, v, mask, 1.0, 1.0)
     torch.testing.assert_close(raw, (rewards[:, None] - v) * mask)
     assert raw.abs().sum() < 0.6 * (mask * rewards[:, None]).sum()
-    other = Critic(model_dir, cfg)
-    other.load_state_dict(critic.state_dict())
-    assert other.values(segments) == values
+    other = run_actor(cfg, model_dir)
+    other.load_state_dict(actor.state_dict())
+    assert other.score(segments, ["critic"])["critic"] == v_now
 
 
 def test_checkpoint_keeps_the_critic_and_exports_a_teacher(model_dir, tmp_path):
     cfg = run_cfg(name="gae", critic_lr=1e-2)
-    actor, critic = Actor(model_dir, cfg.train), Critic(model_dir, cfg)
+    actor = run_actor(cfg, model_dir)
     segs = make_segments(seed=9)
     segs = [Segment(s.token_ids, s.loss_mask, [x * m for x, m in zip(lp, s.loss_mask)], s.versions)
             for s, lp in zip(segs, actor.logprobs(segs))]
     actor.train_step(segs, [1.0] * len(segs))
-    critic.train_step(segs, [[1.0 * m for m in s.loss_mask] for s in segs])
-    path = checkpoint.save(str(tmp_path / "ckpt"), 1, actor.state_dict(), 0, critic_state=critic.state_dict())
+    actor.train_helpers(segs, {"critic": [[1.0 * m for m in s.loss_mask] for s in segs]})
+    path = checkpoint.save(str(tmp_path / "ckpt"), 1, actor.state_dict(), 0)
     cfg.resume, cfg.checkpoint_dir = True, str(tmp_path / "ckpt")
-    other = Critic(model_dir, cfg)
-    assert restore(cfg, Actor(model_dir, cfg.train), other) == (1, 0)
-    assert other.values(segs) == critic.values(segs) and max(map(max, critic.values(segs))) > 0
-    checkpoint.save(str(tmp_path / "ckpt"), 2, actor.state_dict(), 0)  # a run without a critic
-    with pytest.raises(ValueError, match="holds no critic"):
-        restore(cfg, actor, other)
+    other = run_actor(cfg, model_dir)
+    assert restore(cfg, other) == (1, 0)
+    values = actor.score(segs, ["critic"])["critic"]
+    assert other.score(segs, ["critic"])["critic"] == values and max(map(max, values)) > 0
+    assert other.logprobs(segs) == actor.logprobs(segs)
+    plain = run_actor(run_cfg(name="grpo"), model_dir)
+    checkpoint.save(str(tmp_path / "ckpt"), 2, plain.state_dict(), 0)  # a run without a critic
+    with pytest.raises(ValueError, match="holds no state for \\['critic'\\]"):
+        restore(cfg, other)
     teacher = load_model(checkpoint.export_hf(path, model_dir, tmp_path / "teacher"), "float32", "sdpa", "cpu")
-    assert segment_logprobs(teacher, segs, 1.0, cfg.train, "cpu") == actor.logprobs(segs)
+    assert logprobs_of(teacher, segs, cfg.train) == actor.logprobs(segs)
     assert guards.tokenizer_mismatch(model_dir, tmp_path / "teacher") is None

@@ -74,22 +74,22 @@ def test_attach_keeps_the_latest_call_and_older_rows_for_cache_hits():
     seg.append([1, 2, 3])
     seg.append([4, 5], generated=True, logprobs=[-1.0, -1.0])
     first = routes.decode(payload(engine_rows(seg.token_ids)), 5)
-    routes.attach(seg, first)
+    seg.attach_routes(first)
     assert (seg.routed_experts[:4] == first[:4]).all() and (seg.routed_experts[4] == -1).all()
     seg.append([6])  # an observation: no call has routed it yet
     seg.append([7, 8, 9], generated=True, logprobs=[-1.0] * 3)
     rows = engine_rows(seg.token_ids).astype(np.int32) + 1  # the same prefix re-routed (new weights)
     rows[:3] = -1  # ... except a prefix-cache hit: the first call's rows stand
-    routes.attach(seg, routes.decode(payload(rows), 9))
+    seg.attach_routes(routes.decode(payload(rows), 9))
     assert (seg.routed_experts[:3] == first[:3]).all() and (seg.routed_experts[3:8] == rows[3:8]).all()
     assert (seg.routed_experts[8] == -1).all() and seg.routed_experts.shape == (9, LAYERS, TOP_K)
     cut = Segment()  # a reply cut at a stop string keeps its first tokens, and their routes
     cut.append([1, 2, 3])
     cut.append([4], generated=True, logprobs=[-1.0])
-    routes.attach(cut, routes.decode(payload(engine_rows([1, 2, 3, 4, 5, 6])), 6))
+    cut.attach_routes(routes.decode(payload(engine_rows([1, 2, 3, 4, 5, 6])), 6))
     assert cut.routed_experts.shape == (4, LAYERS, TOP_K) and (cut.routed_experts[3] >= 0).all()
     plain = Segment(token_ids=[1])
-    routes.attach(plain, None)  # an engine without routes leaves segments without them
+    plain.attach_routes(None)  # an engine without routes leaves segments without them
     assert plain.routed_experts is None
 
 

@@ -1,4 +1,4 @@
-"""The rollout worker: a Ray actor running an asyncio pool of agent rollouts.
+"""The rollout worker: a Ray actor running an asyncio pool of agent rollouts (either agent mode, molt/agents/).
 
 It keeps prompt groups in flight and puts every finished group on the Ray queue while the
 actor trains. Admission is by credits: it starts a group only while it holds a credit; the
@@ -15,11 +15,11 @@ import traceback
 
 import ray
 
-from molt.agents.chat_agent import load_agent, run_chat_group
-from molt.agents.env import run_group
+from molt.agents import MODES, load_agent
 from molt.data import DataStream, load_jsonl
-from molt.rollout.engine import EngineClient, EngineDied
+from molt.rollout.engine import EngineClient
 from molt.rollout.router import Router
+from molt.types import EngineDied
 
 
 def sampling_params(rollout_cfg, temperature=None) -> dict:
@@ -35,11 +35,8 @@ class RolloutWorker:
         self.cfg, self.queue = cfg, queue
         self.router = Router([EngineClient(name, url, cfg.engine.request_timeout_s) for name, url in engines])
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        module = importlib.import_module(cfg.agent.module)
-        if cfg.agent.mode == "chat":  # the user's SDK agent, served by the loopback chat server
-            self.run_group, self.agent = run_chat_group, load_agent(module)
-        else:  # env: the framework drives the turns through the module's make_env
-            self.run_group, self.agent = run_group, module.make_env
+        self.run_group = MODES[cfg.agent.mode].run_group
+        self.agent = load_agent(cfg.agent.mode, importlib.import_module(cfg.agent.module))
         self.stream = DataStream(load_jsonl(cfg.task.train_path), seed=cfg.seed)
         self.credits, self.wake = initial_credits, asyncio.Event()
         self.task = None
