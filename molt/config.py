@@ -50,6 +50,9 @@ class AgentConfig:
     max_tokens_per_turn: int = 16  # generation budget of one assistant turn
     max_total_tokens: int = 256  # whole-rollout budget (prompt + observations + generations); chat: per request
     timeout_s: float = 0.0  # chat: wall-clock bound of one rollout's agent call (0 = none); past it, failed
+    image_max_pixels: int = 4_194_304  # an image with more pixels (w*h) fails its rollout (molt/agents/images.py)
+    image_max_per_prompt: int = 4  # more images in one rollout's prompt fail it; the engine's --limit-mm-per-prompt
+    image_dir: str = ""  # local image paths are allowed only under this directory ("" = data URLs only)
 
 
 @dataclass
@@ -111,6 +114,7 @@ class TrainConfig:
     activation_checkpointing: bool = False  # recompute decoder layers in backward (GPU memory; see actor/speed.py)
     compile: bool = False  # torch.compile the decoder layers and the log-prob head (GPU speed; see actor/speed.py)
     routing_replay: bool = False
+    freeze_vision: bool = False  # vision-language policies: keep the vision tower and connector fixed
 
 
 @dataclass

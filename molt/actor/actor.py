@@ -14,10 +14,9 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.checkpoint import checkpoint
-from transformers import AutoModelForCausalLM
 from transformers.core_model_loading import revert_weight_conversion
 
-from molt.actor import context, parallel, speed
+from molt.actor import context, parallel, speed, vision
 from molt.actor import replay as replay_mod
 from molt.actor.pack import NO_TARGET, align_next, cp_slice, micro_batches, pack, to_device, unalign
 from molt.algo.loss import Objective, combine
@@ -78,7 +77,7 @@ def token_logprobs(model, batch: Batch, temperature: float = 1.0, loss_only: boo
         want, targets, back = batch.targets != NO_TARGET, batch.targets, 0
     # nonzero waits for the device: do it before the forward is queued, not after (the GPU would idle meanwhile)
     rows, cols = (batch.loss_mask.bool() if loss_only else want).nonzero(as_tuple=True)  # (N,), (N,)
-    out = model.get_decoder()(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
+    out = model.get_decoder()(**vision.inputs(model, batch), position_ids=batch.position_ids, use_cache=False,
                               **context.forward_kwargs(model, batch))
     hidden = out.last_hidden_state  # (R, T, H)
     lp, ent = head_logprobs(model.get_output_embeddings(), hidden[rows, cols - back], targets[rows, cols],
@@ -88,16 +87,19 @@ def token_logprobs(model, batch: Batch, temperature: float = 1.0, loss_only: boo
 
 
 def load_model(model_dir: str | Path, dtype: str, attn_implementation: str, device, trainable: bool = True,
-               activation_checkpointing: bool = False, compile: bool = False):
-    """A Hugging Face causal LM in eval mode (no dropout: its forward is the engine's); frozen unless trainable.
-    MoE experts run transformers' default "grouped_mm" implementation (speed.py says why)."""
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=_dtype(dtype),
-                                                 attn_implementation=attn_implementation).to(device)
+               activation_checkpointing: bool = False, compile: bool = False, freeze_vision: bool = False):
+    """A Hugging Face causal LM (or vision-language model, vision.py) in eval mode (no dropout: its forward is the
+    engine's); frozen unless trainable. MoE experts run transformers' default "grouped_mm" implementation
+    (speed.py says why)."""
+    model = vision.model_class(model_dir).from_pretrained(str(model_dir), dtype=_dtype(dtype),
+                                                          attn_implementation=attn_implementation).to(device)
     if trainable and activation_checkpointing:
         speed.checkpoint_layers(model)  # before any fully_shard: FSDP2 then wraps the checkpointed layers
     if compile:
         speed.compile_model(model, _chosen_logprobs)  # after checkpointing: the recompute is compiled too
-    return model.eval().requires_grad_(trainable)
+    model.eval().requires_grad_(trainable)
+    vision.attach(model, model_dir, freeze=freeze_vision)
+    return model
 
 
 @torch.no_grad()
@@ -151,7 +153,7 @@ class Actor:
         on_host = self.mesh is not None or not shard  # fully_shard moves the shards to the mesh's device
         model = load_model(model_dir, self.dtype, self.attn, "cpu" if on_host else self.device, trainable=trainable,
                            activation_checkpointing=trainable and self.cfg.activation_checkpointing,
-                           compile=self.cfg.compile)
+                           compile=self.cfg.compile, freeze_vision=self.cfg.freeze_vision)
         if replay:  # MoE routers take the engine's recorded experts (molt/actor/replay.py)
             replay_mod.install(model)
         if shard and self.mesh is not None:

@@ -88,7 +88,8 @@ def pack(segments: list[Segment], advantages: list[list[float] | float], row_tok
                 cols[k][r, start:start + n] = v
             spans[i], start = (r, start, n), start + n
         cols["position_ids"][r, start:] = torch.arange(width - start)  # padding: its own segment
-    return Batch(spans=spans, **cols)
+    images = {i: s.images for i, s in enumerate(segments) if s.images} or None  # for molt/actor/vision.py
+    return Batch(spans=spans, images=images, **cols)
 
 
 def micro_batches(batch: Batch, rows: int) -> list[Batch]:

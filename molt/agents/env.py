@@ -39,6 +39,7 @@ import inspect
 import logging
 from typing import Any, Callable
 
+from molt.agents import images
 from molt.config import AgentConfig
 from molt.types import Generate, Group, Rollout, Segment
 
@@ -118,12 +119,17 @@ async def _drive(ro: Rollout, generate: Generate, tokenizer, make_env, sample: d
     assert cfg.max_turns >= 1 and cfg.max_tokens_per_turn >= 1, "set agent.max_turns, agent.max_tokens_per_turn >= 1"
     seg = ro.segments[0]
     env = await _user(make_env, sample)
-    seg.append(await _user(render_prompt, tokenizer, await _first_observation(env, sample)))
+    first = await _first_observation(env, sample)
+    if images.has_images(first):  # rendered by the engine (molt/agents/images.py)
+        ids, ims = await images.render(generate, ro.rollout_id, first, cfg)
+        seg.append(ids, images=ims)
+    else:
+        seg.append(await _user(render_prompt, tokenizer, first))
     for turn in range(cfg.max_turns):
         budget = min(cfg.max_tokens_per_turn, cfg.max_total_tokens - len(seg.token_ids))
         if budget <= 0:
             break
-        c = await generate(ro.rollout_id, list(seg.token_ids), budget, **sampling)
+        c = await generate(ro.rollout_id, list(seg.token_ids), budget, **sampling, **images.features(seg))
         assert c.token_ids, f"engine returned no tokens for rollout {ro.rollout_id}"
         seg.append(list(c.token_ids), generated=True, logprobs=c.logprobs, version=c.version)
         seg.attach_routes(c.routed_experts)  # the call covered the whole segment: its routes replace older ones
@@ -134,10 +140,14 @@ async def _drive(ro: Rollout, generate: Generate, tokenizer, make_env, sample: d
             return
         if c.finish_reason != "stop" or turn + 1 == cfg.max_turns:
             break  # cut off mid-message, or no turn left to answer the observation
-        delta = await _user(render_delta, tokenizer, obs, c.token_ids[-1])
+        if images.has_images(obs):
+            delta, ims = await images.render_delta(generate, ro.rollout_id, tokenizer, obs, c.token_ids[-1], cfg,
+                                                   len(seg.images))
+        else:
+            delta, ims = await _user(render_delta, tokenizer, obs, c.token_ids[-1]), []
         if len(seg.token_ids) + len(delta) >= cfg.max_total_tokens:
             break  # no room left to answer the observation
-        seg.append(delta)
+        seg.append(delta, images=ims)
     ro.status = "truncated"  # the env is not done
 
 
@@ -149,13 +159,16 @@ async def run_env_rollout(generate: Generate, tokenizer, make_env: Callable, sam
     ro = Rollout(rollout_id=rollout_id, group_id=group_id, segments=[Segment()], info={"turns": 0.0})
     try:
         await _drive(ro, generate, tokenizer, make_env, sample, agent_cfg, sampling)
-    except EnvError as e:
+    except (EnvError, images.ImageError) as e:
         log.warning("rollout %s failed in env code: %s", rollout_id, e, exc_info=e.__cause__)
         ro.status, ro.reward, ro.info["failed"] = "failed", 0.0, 1.0
+        if isinstance(e, images.ImageError):
+            ro.info[f"failed/image_{e.reason}"] = 1.0
     finally:
         if release is not None:
             release(rollout_id)
     seg = ro.segments[0]
+    images.detach(seg)
     seg.check()
     ro.info.update(gen_tokens=float(seg.num_generated), tokens=float(len(seg.token_ids)))
     return ro

@@ -74,7 +74,7 @@ class RolloutWorker:
 
     async def _group(self, index: int, sample: dict):
         t0 = time.time()
-        group = await self.run_group(self.router.generate, self.tokenizer, self.agent, sample, f"g{index}",
+        group = await self.run_group(self.router, self.tokenizer, self.agent, sample, f"g{index}",
                                 self.cfg.rollout.n, self.cfg.agent, sampling_params(self.cfg.rollout),
                                 release=self.router.release)
         group.index = index
@@ -86,7 +86,7 @@ class RolloutWorker:
         rows = load_jsonl(path)[:max_samples]
         sampling = sampling_params(self.cfg.rollout, temperature)
         groups = await asyncio.gather(*[
-            self.run_group(self.router.generate, self.tokenizer, self.agent, row, f"eval{i}", 1, self.cfg.agent,
+            self.run_group(self.router, self.tokenizer, self.agent, row, f"eval{i}", 1, self.cfg.agent,
                            sampling, release=self.router.release)
             for i, row in enumerate(rows)])
         rewards = [r.reward for g in groups for r in g.rollouts]

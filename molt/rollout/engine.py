@@ -250,16 +250,19 @@ class EngineClient:
         return r.json()
 
     async def generate(self, token_ids: list[int], max_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                       top_k: int = -1, stop_token_ids: list[int] | None = None) -> Completion:
+                       top_k: int = -1, stop_token_ids: list[int] | None = None, features: dict | None = None) -> Completion:
         """Token ids in, sampled ids out, each with its behaviour log-prob and the oldest weight version."""
-        return (await self.generate_n(token_ids, max_tokens, 1, temperature, top_p, top_k, stop_token_ids))[0]
+        return (await self.generate_n(token_ids, max_tokens, 1, temperature, top_p, top_k, stop_token_ids, features))[0]
 
     async def generate_n(self, token_ids: list[int], max_tokens: int, n: int, temperature: float = 1.0,
-                         top_p: float = 1.0, top_k: int = -1, stop_token_ids: list[int] | None = None) -> list[Completion]:
-        """n independent samples from one prompt in one request (one API-server round trip, not n)."""
+                         top_p: float = 1.0, top_k: int = -1, stop_token_ids: list[int] | None = None,
+                         features: dict | None = None) -> list[Completion]:
+        """n independent samples from one prompt in one request (one API-server round trip, not n). `features`:
+        the images of the prompt as the engine's render endpoint returned them (molt/agents/images.py)."""
         sp = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, n=n,
                   stop_token_ids=stop_token_ids or [], logprobs=0, detokenize=False)
-        out = await self._call("POST", "/inference/v1/generate", json={"token_ids": token_ids, "sampling_params": sp})
+        body = {"token_ids": token_ids, "sampling_params": sp} | ({"features": features} if features else {})
+        out = await self._call("POST", "/inference/v1/generate", json=body)
         assert len(out["choices"]) == n, f"engine {self.name}: asked for {n} samples, got {len(out['choices'])}"
         choices = sorted(out["choices"], key=lambda ch: ch.get("index", 0))
         return [self._completion(ch, len(token_ids)) for ch in choices]
@@ -271,6 +274,11 @@ class EngineClient:
         assert len(logprobs) == len(ids), f"engine {self.name}: {len(ids)} tokens but {len(logprobs)} log-probs"
         return Completion(token_ids=ids, logprobs=logprobs, version=_oldest_version(ch.get("weight_versions")),
                           finish_reason=ch["finish_reason"], routed_experts=_routes(ch, num_prompt + len(ids)))
+
+    async def render(self, messages: list[dict]) -> dict:
+        """Chat messages (images included) -> the engine's prompt: {token_ids, features} (shared/VLM.md)."""
+        body = {"model": SERVED_NAME, "messages": messages, "add_generation_prompt": True}
+        return await self._call("POST", "/v1/chat/completions/render", json=body)
 
     async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """log p(token_i | token_<i) for i >= 1 under the engine's current weights (a probe)."""

