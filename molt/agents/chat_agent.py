@@ -101,6 +101,8 @@ async def run_chat_rollout(generate: Generate, tokenizer, agent_fn: Callable, sa
             release(rollout_id)
     if s.error is not None:
         raise s.error
+    if s.bad_image:  # the policy would have trained without seeing an image the agent sent (images.py)
+        ro.status, ro.info[f"failed/image_{s.bad_image}"] = "failed", 1.0
     return _finish(ro, s.turns, s.refused)
 
 

@@ -49,9 +49,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from molt.agents import chat_wire as wire
-from molt.agents.env import TemplateError, render_delta, render_prompt
+from molt.agents import images
+from molt.agents.env import TemplateError
 from molt.config import AgentConfig
-from molt.types import Completion, EngineDied, Generate, Segment
+from molt.types import Completion, EngineDied, Generate, Image, Segment
 
 log = logging.getLogger(__name__)
 MODEL = "policy"  # the model name /v1/models lists (requests may name any model: there is one policy)
@@ -79,6 +80,7 @@ class Session:
     turns: int = 0  # replies generated
     refused: int = 0  # requests refused for a budget (max_turns, context)
     error: Optional[BaseException] = None  # a failure that is not the agent's: the runner re-raises it
+    bad_image: Optional[str] = None  # the reason a request's image was refused: the rollout fails
     closed: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -104,18 +106,23 @@ def cut_at_stop(tokenizer, ids: list[int], stops: list[str]) -> tuple[int, str, 
     return lo, text[:at], stop
 
 
-def _render(s: Session, convo: list[dict]) -> tuple[list[int], bool]:
-    """(prompt ids, fresh): extend the current segment by a template delta, or start a new one."""
+async def _render(s: Session, convo: list[dict]) -> tuple[list[int], bool, list[Image]]:
+    """(prompt ids, fresh, the prompt's images): extend the current segment by a template delta, or start a new
+    one. Messages with images are rendered by the engine (molt/agents/images.py)."""
     n = len(s.history)
     try:
         if n and len(convo) > n and all(map(wire.same_message, s.history, convo)):
             seg = s.segments[-1]
             try:
-                delta = render_delta(s.tokenizer, wire.template_messages(convo[n:]), seg.token_ids[-1])
-                return seg.token_ids + delta, False
+                delta, ims = await images.delta(s.generate, s.rollout_id, s.tokenizer,
+                                                wire.template_messages(convo[n:]), seg, s.cfg)
+                return seg.token_ids + delta, False, seg.images + images.shifted(ims, len(seg.token_ids))
             except TemplateError:
                 pass  # the template rewrites earlier turns once more follow: compact
-        return render_prompt(s.tokenizer, wire.template_messages(convo)), True
+        ids, ims = await images.prompt(s.generate, s.rollout_id, s.tokenizer, wire.template_messages(convo), s.cfg)
+        return ids, True, ims
+    except (images.ImageError, EngineDied):
+        raise
     except Exception as e:  # the template raising on the request's messages (e.g. a role it refuses)
         raise ChatError(400, f"the chat template cannot render these messages: {type(e).__name__}: {e}") from e
 
@@ -125,11 +132,11 @@ def _refuse(s: Session, message: str, code: str) -> ChatError:
     return ChatError(400, message, code)
 
 
-def _record(s: Session, prompt: list[int], fresh: bool, c: Completion, keep: int) -> None:
+def _record(s: Session, prompt: list[int], fresh: bool, ims: list[Image], c: Completion, keep: int) -> None:
     if fresh:
         s.segments.append(Segment())
     seg = s.segments[-1]
-    seg.append(prompt[len(seg.token_ids):])
+    seg.append(prompt[len(seg.token_ids):], images=images.shifted(ims[len(seg.images):], -len(seg.token_ids)))
     seg.append(c.token_ids[:keep], generated=True, logprobs=c.logprobs[:keep], version=c.version)
     seg.attach_routes(c.routed_experts)  # the prompt was this segment's prefix
 
@@ -148,21 +155,28 @@ async def complete(s: Session, convo: list[dict], max_tokens: Optional[int], sto
             raise ChatError(404, f"session of rollout {s.rollout_id} has ended")
         if s.turns >= s.cfg.max_turns:
             raise _refuse(s, f"this rollout already made agent.max_turns={s.cfg.max_turns} requests", "max_turns")
-        prompt, fresh = _render(s, convo)
+        try:
+            prompt, fresh, ims = await _render(s, convo)
+        except images.ImageError as e:  # the rollout fails with the reason counted (chat_agent.py)
+            s.bad_image = e.reason
+            raise ChatError(400, f"bad image: {e}", f"image_{e.reason}") from e
+        except EngineDied as e:
+            s.error = e
+            raise ChatError(503, f"the policy engine is gone: {e}") from e
         room = s.cfg.max_total_tokens - len(prompt)
         if room < 1:
             raise _refuse(s, f"the conversation is {len(prompt)} tokens and agent.max_total_tokens="
                              f"{s.cfg.max_total_tokens} leaves no room to reply", "context_length_exceeded")
         limit = min(max_tokens or s.cfg.max_tokens_per_turn, s.cfg.max_tokens_per_turn, room)
         try:
-            c = await s.generate(s.rollout_id, prompt, limit, **s.sampling)
+            c = await s.generate(s.rollout_id, prompt, limit, **s.sampling, **images.features(ims))
         except EngineDied as e:
             s.error = e
             raise ChatError(503, f"the policy engine is gone: {e}") from e
         if s.closed:  # the rollout ended while the engine worked: its trajectory is final
             raise ChatError(404, f"session of rollout {s.rollout_id} has ended")
         keep, text, stop = cut_at_stop(s.tokenizer, c.token_ids, [x for x in stops if x])
-        _record(s, prompt, fresh, c, keep)
+        _record(s, prompt, fresh, ims, c, keep)
         s.turns += 1
         reply = _reply(text, stop, c, keep, tools_on, len(prompt))
         s.history = convo + [reply.message]
@@ -324,4 +338,5 @@ def close_session(srv: ChatServer, s: Session) -> list[Segment]:
     srv.sessions.pop(s.sid, None)
     for seg in s.segments:
         seg.check()
+        images.detach(seg)
     return s.segments

@@ -134,12 +134,23 @@ def _text(content, where: str) -> str:
     """Message content (a string or a list of text parts/blocks) as one string."""
     if content is None or isinstance(content, str):
         return content or ""
+    if any(p.get("type") in IMAGES for p in content):  # parts stay parts: the engine renders them (images.py)
+        return [_part(p, f"{where}.{j}") for j, p in enumerate(content)]
     parts = []
     for p in content:
         if p.get("type") != "text" or not isinstance(p.get("text"), str):
             raise WireError(f"{where}: only text content is supported, got a {p.get('type')!r} part")
         parts.append(p["text"])
     return "".join(parts)
+
+
+IMAGES = ("image_url", "image")  # OpenAI and Anthropic image parts
+
+
+def _part(p: dict, where: str) -> dict:
+    if p.get("type") not in ("text", *IMAGES) or (p["type"] == "text" and not isinstance(p.get("text"), str)):
+        raise WireError(f"{where}: only text and image parts are supported, got a {p.get('type')!r} part")
+    return p
 
 
 def _arguments(raw):
@@ -180,8 +191,8 @@ def _anthropic_blocks(role: str, content, where: str) -> list[dict]:
     out, text, calls = [], [], []
     for j, b in enumerate(content):
         kind = b.get("type")
-        if kind == "text" and isinstance(b.get("text"), str):
-            text.append(b["text"])
+        if kind == "text" and isinstance(b.get("text"), str) or kind == "image" and role == "user":
+            text.append(b)
         elif kind == "tool_use" and role == "assistant" and isinstance(b.get("name"), str):
             calls.append({"id": str(b.get("id", "")), "name": b["name"], "arguments": b.get("input", {})})
         elif kind == "tool_result" and role == "user":
@@ -190,7 +201,8 @@ def _anthropic_blocks(role: str, content, where: str) -> list[dict]:
         else:
             raise WireError(f"{where}.content.{j}: unsupported or malformed {kind!r} block for role {role}")
     if text or calls or not out:
-        out.append({"role": role, "content": "".join(text)} | ({"tool_calls": calls} if calls else {}))
+        body = text if any(b["type"] == "image" for b in text) else "".join(b["text"] for b in text)
+        out.append({"role": role, "content": body} | ({"tool_calls": calls} if calls else {}))
     return out
 
 

@@ -129,7 +129,7 @@ async def _drive(ro: Rollout, generate: Generate, tokenizer, make_env, sample: d
         budget = min(cfg.max_tokens_per_turn, cfg.max_total_tokens - len(seg.token_ids))
         if budget <= 0:
             break
-        c = await generate(ro.rollout_id, list(seg.token_ids), budget, **sampling, **images.features(seg))
+        c = await generate(ro.rollout_id, list(seg.token_ids), budget, **sampling, **images.features(seg.images))
         assert c.token_ids, f"engine returned no tokens for rollout {ro.rollout_id}"
         seg.append(list(c.token_ids), generated=True, logprobs=c.logprobs, version=c.version)
         seg.attach_routes(c.routed_experts)  # the call covered the whole segment: its routes replace older ones

@@ -173,11 +173,32 @@ async def render_delta(router, rollout_id: str, tokenizer, messages: list[dict],
     return tail, [replace(im, offset=im.offset - shift) for im in images]
 
 
-def features(seg: Segment) -> dict:
-    """The segment's images as a generate call's `features` ({} when it has none, for keyword splatting)."""
-    if not seg.images:
+async def prompt(router, rollout_id: str, tokenizer, messages: list[dict], cfg) -> tuple[list[int], list[Image]]:
+    """env.render_prompt, by the engine when the messages hold images."""
+    from molt.agents.env import render_prompt
+
+    if not has_images(messages):
+        return render_prompt(tokenizer, messages), []
+    return await render(router, rollout_id, messages, cfg)
+
+
+async def delta(router, rollout_id: str, tokenizer, messages: list[dict], seg: Segment, cfg) -> tuple[list[int], list[Image]]:
+    """env.render_delta after `seg`, by the engine when the messages hold images; image offsets into the delta."""
+    from molt.agents.env import render_delta as text_delta
+
+    if not has_images(messages):
+        return text_delta(tokenizer, messages, seg.token_ids[-1]), []
+    return await render_delta(router, rollout_id, tokenizer, messages, seg.token_ids[-1], cfg, len(seg.images))
+
+
+def shifted(ims: list[Image], by: int) -> list[Image]:
+    return [replace(im, offset=im.offset + by) for im in ims]
+
+
+def features(ims: list[Image]) -> dict:
+    """Images of a prompt (offsets into it) as a generate call's `features` ({} when none, for splatting)."""
+    if not ims:
         return {}
-    ims = seg.images
     return {"features": {"mm_hashes": {"image": [im.sha256 for im in ims]},
                          "mm_placeholders": {"image": [{"offset": im.offset, "length": im.length} for im in ims]},
                          "kwargs_data": {"image": [im.engine["kwargs_data"] for im in ims]},

