@@ -16,7 +16,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers.core_model_loading import revert_weight_conversion
 
-from molt.actor import context, parallel, speed, vision
+from molt.actor import context, loading, parallel, vision
 from molt.actor import replay as replay_mod
 from molt.actor.pack import NO_TARGET, align_next, cp_slice, micro_batches, pack, to_device, unalign
 from molt.algo.loss import Objective, combine
@@ -87,16 +87,12 @@ def token_logprobs(model, batch: Batch, temperature: float = 1.0, loss_only: boo
 
 
 def load_model(model_dir: str | Path, dtype: str, attn_implementation: str, device, trainable: bool = True,
-               activation_checkpointing: bool = False, compile: bool = False, freeze_vision: bool = False):
-    """A Hugging Face causal LM (or vision-language model, vision.py) in eval mode (no dropout: its forward is the
-    engine's); frozen unless trainable. MoE experts run transformers' default "grouped_mm" implementation
-    (speed.py says why)."""
+               freeze_vision: bool = False):
+    """The whole Hugging Face causal LM (or vision-language model, vision.py) on one device, in eval mode (no dropout:
+    its forward is the engine's); frozen unless trainable. The transforms (checkpointing, compile, replay, layout)
+    are parallel.parallelize's. MoE experts run transformers' default "grouped_mm" implementation (speed.py says why)."""
     model = vision.model_class(model_dir).from_pretrained(str(model_dir), dtype=_dtype(dtype),
                                                           attn_implementation=attn_implementation).to(device)
-    if trainable and activation_checkpointing:
-        speed.checkpoint_layers(model)  # before any fully_shard: FSDP2 then wraps the checkpointed layers
-    if compile:
-        speed.compile_model(model, _chosen_logprobs)  # after checkpointing: the recompute is compiled too
     model.eval().requires_grad_(trainable)
     vision.attach(model, model_dir, freeze=freeze_vision)
     return model
@@ -113,6 +109,12 @@ def per_token(fn, segments: list[Segment], train: TrainConfig, device) -> list[l
         out[row:row + mb.num_rows, :x.shape[1]] = x
         row += mb.num_rows
     return [out[r, s:s + n].tolist() for r, s, n in batch.spans]
+
+
+def _zeros(module: torch.nn.Module) -> torch.nn.Module:
+    for p in module.parameters():
+        torch.nn.init.zeros_(p)
+    return module
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -147,22 +149,29 @@ class Actor:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train.lr, betas=tuple(train.betas),
                                            weight_decay=train.weight_decay, fused=on_gpu or None)
 
-    def build(self, model_dir, trainable: bool, replay: bool, shard: bool = True):
-        """A model (the policy or a helper) in this actor's dtype, device and layout; shard=False leaves it on the
-        host unsharded, for a caller that adds modules first and then calls `shard`."""
-        on_host = self.mesh is not None or not shard  # fully_shard moves the shards to the mesh's device
-        model = load_model(model_dir, self.dtype, self.attn, "cpu" if on_host else self.device, trainable=trainable,
-                           activation_checkpointing=trainable and self.cfg.activation_checkpointing,
-                           compile=self.cfg.compile, freeze_vision=self.cfg.freeze_vision)
-        if replay:  # MoE routers take the engine's recorded experts (molt/actor/replay.py)
-            replay_mod.install(model)
-        if shard and self.mesh is not None:
-            self.shard(model)
+    def build(self, model_dir, trainable: bool, replay: bool, fresh: dict | None = None):
+        """A model (the policy or a helper) in this actor's dtype, device and layout. Without a mesh it is loaded
+        whole (the numerical reference); with one it is built on the meta device, laid out, and each rank reads only
+        its own shards (molt/actor/loading.py). fresh: name -> fn(model) -> module to add, zero-initialised."""
+        fresh = fresh or {}
+        layout = dict(checkpointing=trainable and self.cfg.activation_checkpointing, replay=replay,
+                      compile_head=_chosen_logprobs if self.cfg.compile else None,
+                      mixed_precision=self.device.type == "cuda" and self.dtype == "float32")
+        if self.mesh is None:
+            model = load_model(model_dir, self.dtype, self.attn, self.device, trainable, self.cfg.freeze_vision)
+            for name, make in fresh.items():
+                setattr(model, name, _zeros(make(model)).to(self.device).requires_grad_(trainable))
+            return parallel.parallelize(model, None, **layout)
+        model = loading.meta_model(model_dir, _dtype(self.dtype), self.attn)
+        for name, make in fresh.items():
+            setattr(model, name, make(model).to("meta"))
+        parallel.parallelize(model, self.mesh, self.fsdp, **layout)
+        # offloaded shards live on the host (FSDP2 CPUOffloadPolicy); the rest on this rank's device
+        offload = self.fsdp is not None and self.fsdp.offload == "optimizer"
+        loading.materialize(model, model_dir, "cpu" if offload else self.device, fresh=tuple(fresh))
+        model.eval().requires_grad_(trainable)
+        vision.attach(model, model_dir, freeze=self.cfg.freeze_vision)
         return model
-
-    def shard(self, model) -> None:
-        parallel.parallelize(model, self.mesh, self.fsdp,
-                             mixed_precision=self.device.type == "cuda" and self.dtype == "float32")
 
     def backward(self, segments: list[Segment], advantages: list, temperature: float = 1.0,
                  num_loss_tokens: int | None = None, num_sequences: int | None = None) -> dict[str, float]:

@@ -41,15 +41,9 @@ class Critic:
 
     def __init__(self, actor, path, lr: float, value_clip: float):
         self.actor, self.clip = actor, value_clip
-        self.model = actor.build(path, trainable=True, replay=False, shard=False)  # lm_head unused (no gradient)
-        h = self.model.get_output_embeddings().in_features
-        self.model.molt_value_head = torch.nn.Linear(h, 1, dtype=self.model.dtype)  # on the root: FSDP shards it too
-        torch.nn.init.zeros_(self.model.molt_value_head.weight)
-        torch.nn.init.zeros_(self.model.molt_value_head.bias)
-        if actor.mesh is not None:
-            actor.shard(self.model)
-        else:
-            self.model.to(actor.device)
+        # the value head sits on the root (FSDP shards it too), zero-initialised; lm_head stays unused (no gradient)
+        head = lambda m: torch.nn.Linear(m.get_output_embeddings().in_features, 1, dtype=m.dtype)  # noqa: E731
+        self.model = actor.build(path, trainable=True, replay=False, fresh={"molt_value_head": head})
         t = actor.cfg
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=tuple(t.betas),
                                            weight_decay=t.weight_decay)

@@ -1,7 +1,8 @@
 """The actor's parallel layout on plain torch: one DeviceMesh (dp, ep, cp), expert parallelism, FSDP2.
 
     mesh = build_mesh(cfg.fsdp, "cuda")            # world size = dp * ep * cp
-    parallelize(model, mesh, cfg.fsdp, mixed_precision=True)
+    parallelize(model, mesh, cfg.fsdp, checkpointing=True, mixed_precision=True)   # on a meta-device model
+    loading.materialize(model, model_dir, "cuda")  # each rank reads its own shards (molt/actor/loading.py)
 
 Data: every (dp, ep) coordinate is its own data shard (EP ranks see different tokens, as DP ranks do);
 the cp ranks of one (dp, ep) coordinate share its packed rows, each holding a slice of every row.
@@ -19,7 +20,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 from torch.distributed.tensor import DTensor, Shard
 
+from molt.actor import speed
 from molt.actor.pack import COLUMNS, micro_batches
+from molt.actor.replay import install as install_replay
 from molt.types import Batch
 
 AXES = ("dp", "ep", "cp")  # the one place the mesh axis names live
@@ -53,21 +56,35 @@ def expert_modules(model) -> list[torch.nn.Module]:
             and getattr(m, "down_proj", None) is not None and m.gate_up_proj.ndim == 3]
 
 
-def parallelize(model, mesh: DeviceMesh, fsdp, mixed_precision: bool = False):
-    """Apply the layout in this fixed order; each step only needs the ones before it."""
-    # 1. Expert parallelism first: it slices the expert weights, so FSDP below shards only the local experts.
+def parallelize(model, mesh: DeviceMesh | None, fsdp=None, *, checkpointing: bool = False, compile_head=None,
+                replay: bool = False, mixed_precision: bool = False):
+    """Apply the layout in this fixed order; each step only needs the ones before it. Without a mesh (one process)
+    only steps 1-3 apply. Works on a meta-device model (loading.materialize fills the shards afterwards)."""
+    # 1. Activation checkpointing: wraps each decoder layer's forward; FSDP2 (step 6) then wraps the checkpointed layers.
+    if checkpointing:
+        speed.checkpoint_layers(model)
+    # 2. torch.compile the (checkpointed) layer forwards, so the recompute is compiled too, and the log-prob head.
+    if compile_head is not None:
+        speed.compile_model(model, compile_head)
+    # 3. Routing replay: MoE routers take the engine's recorded experts; the gates see local tokens, so EP/CP below
+    #    are indifferent to it.
+    if replay:
+        install_replay(model)
+    if mesh is None:
+        return model
+    # 4. Expert parallelism: it slices the expert weights, so FSDP below shards only the local experts.
     if mesh["ep"].size() > 1:
         if not expert_modules(model):
             raise ValueError(f"fsdp.ep_size={mesh['ep'].size()} but {type(model).__name__} has no fused experts module "
                              "(3-D gate_up_proj/down_proj, as Qwen3-MoE and DeepSeek-V3): set fsdp.ep_size=1")
         for experts in expert_modules(model):
             shard_experts(experts, mesh["ep"])
-    # 2. Context parallelism: swaps attention for an exact CP attention; no parameters change.
+    # 5. Context parallelism: swaps attention for an exact CP attention; no parameters change.
     if mesh["cp"].size() > 1:
         from molt.actor import context
 
         context.enable(model, mesh["cp"])
-    # 3. FSDP2 last: it wraps the modules (and their parameters) that the steps above produced.
+    # 6. FSDP2 last: it wraps the modules (and their parameters) that the steps above produced.
     apply_fsdp(model, mesh, mixed_precision, fsdp.offload == "optimizer")
     return model
 
@@ -84,7 +101,7 @@ def shard_experts(experts: torch.nn.Module, group_mesh: DeviceMesh) -> None:
         setattr(experts, name, torch.nn.Parameter(full.data[rank * local:(rank + 1) * local].clone(),
                                                   requires_grad=full.requires_grad))
     experts.num_experts = local  # the class forward now computes the local experts only
-    experts.ep_group, experts.ep_total = group_mesh.get_group(), total
+    experts.ep_group, experts.ep_total, experts.ep_rank = group_mesh.get_group(), total, rank
     experts.local_forward = types.MethodType(type(experts).forward, experts)
     experts.forward = types.MethodType(ep_forward, experts)
 

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from molt.actor import speed
-from molt.actor.actor import load_model, token_logprobs
+from molt.actor.actor import _chosen_logprobs, load_model, token_logprobs
+from molt.actor.parallel import parallelize
 from molt.actor.pack import pack
 from molt.assets import ensure_model
 from tests.actor.test_actor import make_segments
@@ -24,7 +25,7 @@ def test_checkpointed_layers_recompute_and_match(model_dir):
     segs = make_segments()
     batch = pack(segs, [[(i % 3) - 1.0] * len(s.token_ids) for i, s in enumerate(segs)], row_tokens=32)
     plain = load_model(model_dir, "float32", "sdpa", "cpu")
-    ckpt = load_model(model_dir, "float32", "sdpa", "cpu", activation_checkpointing=True)
+    ckpt = parallelize(load_model(model_dir, "float32", "sdpa", "cpu"), None, checkpointing=True)
     calls = []
     # a pre-hook: the recompute stops early, once the last saved tensor is rebuilt, so the mlp may not return
     ckpt.get_decoder().layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
@@ -38,7 +39,7 @@ def test_checkpointed_layers_recompute_and_match(model_dir):
 
 
 def test_checkpointing_is_idempotent_and_picks_attention(model_dir):
-    model = load_model(model_dir, "float32", "sdpa", "cpu", activation_checkpointing=True)
+    model = parallelize(load_model(model_dir, "float32", "sdpa", "cpu"), None, checkpointing=True)
     inner = model.get_decoder().layers[0].forward
     assert speed.checkpoint_layers(model) == model.config.num_hidden_layers
     assert model.get_decoder().layers[0].forward is inner  # not wrapped twice (two recomputes)
@@ -50,7 +51,8 @@ def test_compiled_layers_and_head_match_eager(model_dir):
     segs = make_segments()
     batch = pack(segs, [[(i % 3) - 1.0] * len(s.token_ids) for i, s in enumerate(segs)], row_tokens=32)
     plain = load_model(model_dir, "float32", "sdpa", "cpu")
-    fast = load_model(model_dir, "float32", "sdpa", "cpu", activation_checkpointing=True, compile=True)
+    fast = parallelize(load_model(model_dir, "float32", "sdpa", "cpu"), None, checkpointing=True,
+                       compile_head=_chosen_logprobs)
     assert hasattr(fast, "molt_head_fn")
     ref_loss, ref = _loss_and_grads(plain, batch)
     loss, grads = _loss_and_grads(fast, batch)
