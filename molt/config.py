@@ -53,6 +53,7 @@ class AgentConfig:
     image_max_pixels: int = 4_194_304  # an image with more pixels (w*h) fails its rollout (molt/agents/images.py)
     image_max_per_prompt: int = 4  # more images in one rollout's prompt fail it; the engine's --limit-mm-per-prompt
     image_dir: str = ""  # local image paths are allowed only under this directory ("" = data URLs only)
+    max_request_bytes: int = 4194304  # chat: larger request bodies are refused (413) before they are parsed
 
 
 @dataclass

@@ -295,6 +295,28 @@ def task_files(cfg, hf):
             return f"{key}: {e}"
 
 
+def task_renders(cfg, hf, rows: int = 8):
+    """Env mode renders each row's messages with the chat template: try the first rows now, not in every rollout."""
+    if cfg.agent.mode != "env" or not (Path(cfg.model.path) / "tokenizer_config.json").exists():
+        return None  # chat mode: the agent decides what it sends; no tokenizer yet: checked again once it is built
+    from transformers import AutoTokenizer
+
+    from molt.agents.env import render_prompt
+
+    tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    for key, path in {"task.train_path": cfg.task.train_path, "task.eval_path": cfg.task.eval_path}.items():
+        if key == "task.eval_path" and cfg.eval.every <= 0:
+            continue
+        lines = [(n, line) for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1)
+                 if line.strip()]
+        for n, line in lines[:rows]:
+            try:
+                render_prompt(tok, json.loads(line)["messages"])
+            except Exception as e:
+                return (f"{key}: {path}:{n}: the chat template of model.path cannot render this row's messages "
+                        f"({type(e).__name__}: {e}): write content as the template expects (e.g. a string)")
+
+
 def batch_fits_inflight(cfg, hf):
     if cfg.train.groups_per_step > cfg.rollout.max_inflight_groups:
         return (f"train.groups_per_step={cfg.train.groups_per_step} > rollout.max_inflight_groups="
@@ -342,7 +364,7 @@ GUARDS = [fsdp_sizes, fsdp_offload, ranks_fit_cluster, single_node, micro_batch_
           is_correction_names, is_correction_band, is_correction_seq_mode, filter_needs_group, max_lag, temperature,
           replay_needs_experts,
           replay_needs_routes, routes_need_gpu, sync_path, engines, context_fits, agent_mode, agent_module,
-          task_files, batch_fits_inflight, cp_full_attention]
+          task_files, task_renders, batch_fits_inflight, cp_full_attention]
 
 
 def check(cfg: Any) -> None:

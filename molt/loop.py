@@ -34,6 +34,8 @@ from molt.config import derived
 from molt.rollout.engine import EngineClient, launch_engines, sync_weights, verify_sync
 from molt.types import EngineDied, Segment
 
+log = logging.getLogger(__name__)
+
 
 def run(cfg) -> None:
     """Start engines, Ray and MLflow; train; always tear everything down (exit, Ctrl-C, crash)."""
@@ -148,7 +150,7 @@ def collect(pop, cfg, version: int, refund):
     """Pop groups until `groups_per_step` usable ones are in hand; drop stale and failed ones, and (filter.enabled)
     groups whose rewards are all equal. A dropped group's credit is refunded at once, so that its replacement
     starts on the current weights and the step can still fill (with max_lag=0 every credit is needed)."""
-    kept, counts = [], Counter()
+    kept, counts, why = [], Counter(), Counter()
     budget = 10 * cfg.train.groups_per_step * cfg.rollout.n  # bound: a task that always fails stops the run
     while len(kept) < cfg.train.groups_per_step:
         kind, group = pop()
@@ -156,8 +158,9 @@ def collect(pop, cfg, version: int, refund):
             raise group  # EngineDied, or the worker's own failure with its traceback
         ok = [r for r in group.rollouts if r.status != "failed"]
         counts["failed"] += len(group.rollouts) - len(ok)
+        why.update(r.error or "(no reason given)" for r in group.rollouts if r.status == "failed")
         if counts["failed"] > budget:
-            raise RuntimeError(f"{counts['failed']} rollouts failed in one step: check agent.module")
+            raise RuntimeError(f"{counts['failed']} rollouts failed in one step, most often: {why.most_common(1)[0][0]}")
         if group.min_version >= 0 and version - group.min_version > cfg.rollout.max_lag:
             counts["stale"] += 1
         elif ok and cfg.filter.enabled and len({r.reward for r in ok}) == 1:
@@ -168,6 +171,8 @@ def collect(pop, cfg, version: int, refund):
             kept.append(group)
             continue
         refund(1)
+    for reason, n in why.items():  # one line per kind of failure, not a traceback per rollout
+        log.warning("step %d: %d rollout(s) failed: %s", version, n, reason)
     return kept, counts
 
 

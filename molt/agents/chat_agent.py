@@ -15,8 +15,10 @@ its context. All segments share the rollout's id and reward.
 
 Status: "ok"; "truncated" when the server refused a request for a budget (agent.max_turns or
 agent.max_total_tokens) -- if the agent then raised, its reward is 0.0; "failed" when the agent
-raised otherwise, returned something that is not a reward, ran past agent.timeout_s, or never
-called the model. A failure of the server or engine (not the agent's fault) propagates.
+raised otherwise, returned something that is not a reward, ran past agent.timeout_s, never
+called the model, or sent a request the server refused as malformed (400/413, even if the agent
+caught the error). `Rollout.error` says why in one line. A failure of the server or engine (not
+the agent's fault) propagates.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from molt.agents.chat_server import close_session, open_session, shared_server
+from molt.agents.env import where
 from molt.config import AgentConfig
 from molt.types import Generate, Group, Rollout
 
@@ -93,8 +96,9 @@ async def run_chat_rollout(generate: Generate, tokenizer, agent_fn: Callable, sa
         ro.reward, ro.info = await asyncio.wait_for(_call_agent(agent_fn, ctx), timeout)
     except (AgentError, asyncio.TimeoutError) as e:
         ro.status = "truncated" if s.refused and isinstance(e, AgentError) else "failed"  # reward stays 0.0
-        log.warning("rollout %s %s: %s", rollout_id, ro.status, str(e) or f"ran past agent.timeout_s={timeout}",
-                    exc_info=e.__cause__ if ro.status == "failed" else None)
+        ro.error = f"agent: {e}{where(e.__cause__)}" if isinstance(e, AgentError) else \
+            f"agent ran past agent.timeout_s={timeout}"
+        log.debug("rollout %s %s: %s", rollout_id, ro.status, ro.error, exc_info=e.__cause__)
     finally:
         ro.segments = close_session(srv, s)
         if release is not None:
@@ -102,19 +106,21 @@ async def run_chat_rollout(generate: Generate, tokenizer, agent_fn: Callable, sa
     if s.error is not None:
         raise s.error
     if s.bad_image:  # the policy would have trained without seeing an image the agent sent (images.py)
-        ro.status, ro.info[f"failed/image_{s.bad_image}"] = "failed", 1.0
-    return _finish(ro, s.turns, s.refused)
+        ro.status, ro.error, ro.info[f"failed/image_{s.bad_image}"] = "failed", f"bad image: {s.bad_image}", 1.0
+    return _finish(ro, s.turns, s.refused, s.rejected, s.rejection)
 
 
-def _finish(ro: Rollout, turns: int, refused: int) -> Rollout:
+def _finish(ro: Rollout, turns: int, refused: int, rejected: int = 0, rejection: str = "") -> Rollout:
     if ro.status == "ok" and refused:
         ro.status = "truncated"
+    if ro.status != "failed" and rejected:
+        ro.status, ro.error = "failed", f"the server refused a malformed request of the agent: {rejection}"
     if ro.status != "failed" and not ro.segments:
-        log.warning("rollout %s failed: the agent never called the model", ro.rollout_id)
-        ro.status = "failed"
+        ro.status, ro.error = "failed", "the agent never called the model"
     if ro.status == "failed":
         ro.reward, ro.info["failed"] = 0.0, 1.0
     ro.info.update(turns=float(turns), segments=float(len(ro.segments)), refused=float(refused),
+                   rejected=float(rejected),
                    gen_tokens=float(sum(x.num_generated for x in ro.segments)),
                    tokens=float(sum(len(x.token_ids) for x in ro.segments)))
     return ro

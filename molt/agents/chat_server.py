@@ -19,9 +19,19 @@ messages and adds new, non-generated ones *extends* it: the new messages are app
 delta of the chat template (`render_delta`), after the ids the engine generated, which are never
 re-tokenized. Any other request (the agent summarised, dropped or edited turns, changed the system
 prompt or the tools, retried, or the template re-renders earlier turns) *compacts*: the current
-segment is sealed and a new one starts from the rendering of the whole request. Every reply's
-ids, behaviour log-probs and weight version are appended with loss mask 1. A request that fails
-(bad input, budget, engine error) appends nothing.
+segment is sealed and a new one starts from the rendering of the whole request, in which every
+earlier reply of the session appears as the engine's own ids (spliced into the template, never
+re-encoded from its text). Every reply's ids, behaviour log-probs and weight version are appended
+with loss mask 1. A request that fails (bad input, budget, engine error) appends nothing, and
+neither does one whose client disconnected before the reply was sent (the SDK's retry then
+extends the same history).
+
+Failures. Anything wrong with a request before generation (a body over agent.max_request_bytes:
+413; bad JSON, wrong types, blocks the decoder cannot read, messages the template cannot render:
+400) is the agent's fault: it gets the protocol's error and its rollout is marked failed; the run
+goes on. Only a failure of this server or the engine (500, 503) stops the run. Unknown paths and
+wrong methods answer in the protocol's error shape too. Decoding and rendering run on threads, so a
+large request does not stall the other sessions.
 
 Sampling and budgets. The rollout's sampling parameters (rollout.temperature/top_p/top_k) always
 win over a request's `temperature`/`top_p`: the actor recomputes log-probs at the configured
@@ -42,15 +52,16 @@ import secrets
 import socket
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Awaitable, Callable, Iterator, Optional
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from molt.agents import chat_wire as wire
 from molt.agents import images
-from molt.agents.env import TemplateError
+from molt.agents.env import TemplateError, render_delta, render_prompt
 from molt.config import AgentConfig
 from molt.types import Completion, EngineDied, Generate, Image, Segment
 
@@ -79,6 +90,9 @@ class Session:
     history: list[dict] = field(default_factory=list)  # canonical messages behind segments[-1]
     turns: int = 0  # replies generated
     refused: int = 0  # requests refused for a budget (max_turns, context)
+    rejected: int = 0  # requests refused as malformed (400, 413): the agent's fault, the rollout fails
+    rejection: str = ""  # the last such refusal's message
+    replies: list[tuple[dict, list[int]]] = field(default_factory=list)  # (message returned, the engine's ids)
     error: Optional[BaseException] = None  # a failure that is not the agent's: the runner re-raises it
     bad_image: Optional[str] = None  # the reason a request's image was refused: the rollout fails
     closed: bool = False
@@ -106,25 +120,49 @@ def cut_at_stop(tokenizer, ids: list[int], stops: list[str]) -> tuple[int, str, 
     return lo, text[:at], stop
 
 
+def _spliced(s: Session, convo: list[dict]) -> dict[int, list[int]]:
+    """Message index -> the engine's ids, for each assistant message of `convo` that is a reply this session
+    returned (matched in order): a rebuilt segment holds model output as its own ids, never re-encoded text."""
+    out, j = {}, 0
+    for i, m in enumerate(convo):
+        k = next((k for k in range(j, len(s.replies)) if wire.same_message(s.replies[k][0], m)), None) \
+            if m["role"] == "assistant" else None
+        if k is not None:
+            out[i], j = s.replies[k][1], k + 1
+    return out
+
+
 async def _render(s: Session, convo: list[dict]) -> tuple[list[int], bool, list[Image]]:
     """(prompt ids, fresh, the prompt's images): extend the current segment by a template delta, or start a new
-    one. Messages with images are rendered by the engine (molt/agents/images.py)."""
+    one. Messages with images are rendered by the engine (molt/agents/images.py); text on a thread, so that a
+    large request does not stall the event loop that serves every other session."""
     n = len(s.history)
     try:
         if n and len(convo) > n and all(map(wire.same_message, s.history, convo)):
             seg = s.segments[-1]
             try:
-                delta, ims = await images.delta(s.generate, s.rollout_id, s.tokenizer,
-                                                wire.template_messages(convo[n:]), seg, s.cfg)
+                new = wire.template_messages(convo[n:])
+                delta, ims = await images.delta(s.generate, s.rollout_id, s.tokenizer, new, seg, s.cfg) \
+                    if images.has_images(new) else (await asyncio.to_thread(render_delta, s.tokenizer, new,
+                                                                            seg.token_ids[-1]), [])
                 return seg.token_ids + delta, False, seg.images + images.shifted(ims, len(seg.token_ids))
             except TemplateError:
                 pass  # the template rewrites earlier turns once more follow: compact
-        ids, ims = await images.prompt(s.generate, s.rollout_id, s.tokenizer, wire.template_messages(convo), s.cfg)
+        msgs = wire.template_messages(convo)
+        if images.has_images(msgs):
+            ids, ims = await images.prompt(s.generate, s.rollout_id, s.tokenizer, msgs, s.cfg)
+        else:
+            ids, ims = await asyncio.to_thread(render_prompt, s.tokenizer, msgs, _spliced(s, convo)), []
         return ids, True, ims
     except (images.ImageError, EngineDied):
         raise
     except Exception as e:  # the template raising on the request's messages (e.g. a role it refuses)
-        raise ChatError(400, f"the chat template cannot render these messages: {type(e).__name__}: {e}") from e
+        raise _reject(s, 400, f"the chat template cannot render these messages: {type(e).__name__}: {e}") from e
+
+
+def _reject(s: Session, status: int, message: str) -> ChatError:
+    s.rejected, s.rejection = s.rejected + 1, message
+    return ChatError(status, message)
 
 
 def _refuse(s: Session, message: str, code: str) -> ChatError:
@@ -147,9 +185,10 @@ def _reply(text: str, stop: Optional[str], c: Completion, keep: int, tools_on: b
     return wire.Reply(content, calls, finish, stop, prompt_tokens=n_prompt, completion_tokens=keep)
 
 
-async def complete(s: Session, convo: list[dict], max_tokens: Optional[int], stops: list[str],
-                   tools_on: bool) -> wire.Reply:
-    """Serve one request of a session: accumulate, generate, record, reply."""
+async def complete(s: Session, convo: list[dict], max_tokens: Optional[int], stops: list[str], tools_on: bool,
+                   gone: Optional[Callable[[], Awaitable[bool]]] = None) -> wire.Reply:
+    """Serve one request of a session: accumulate, generate, record, reply. `gone()` says whether the client
+    disconnected: a reply it never received is not recorded (its SDK's retry then extends the same history)."""
     async with s.lock:
         if s.closed:
             raise ChatError(404, f"session of rollout {s.rollout_id} has ended")
@@ -175,11 +214,14 @@ async def complete(s: Session, convo: list[dict], max_tokens: Optional[int], sto
             raise ChatError(503, f"the policy engine is gone: {e}") from e
         if s.closed:  # the rollout ended while the engine worked: its trajectory is final
             raise ChatError(404, f"session of rollout {s.rollout_id} has ended")
+        if gone is not None and await gone():
+            raise ChatError(499, "the client disconnected before the reply: the turn is not recorded")
         keep, text, stop = cut_at_stop(s.tokenizer, c.token_ids, [x for x in stops if x])
         _record(s, prompt, fresh, ims, c, keep)
         s.turns += 1
         reply = _reply(text, stop, c, keep, tools_on, len(prompt))
         s.history = convo + [reply.message]
+        s.replies.append((reply.message, c.token_ids[:keep]))
         return reply
 
 
@@ -239,14 +281,34 @@ def _session(srv: ChatServer, sid: str, request: Request) -> Session:
     return s
 
 
+async def _body(s: Session, request: Request) -> bytes:
+    """The request body, refused with 413 past agent.max_request_bytes before it is read whole or parsed."""
+    limit, body = s.cfg.max_request_bytes, bytearray()
+    if int(request.headers.get("content-length") or 0) > limit:
+        raise _reject(s, 413, f"the request is larger than agent.max_request_bytes={limit}")
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise _reject(s, 413, f"the request is larger than agent.max_request_bytes={limit}")
+    return bytes(body)
+
+
+def _read(s: Session, w: Wire, body: bytes) -> tuple[Any, list[dict], dict]:
+    """(request, conversation, complete()'s options). Any failure before generation is the agent's: a 400."""
+    try:
+        req = wire.parse_request(w.schema, body)
+        return req, w.conversation(req), w.options(req)
+    except Exception as e:
+        raise _reject(s, 400, str(e) if isinstance(e, wire.WireError) else
+                      f"malformed request: {type(e).__name__}: {e}") from e
+
+
 async def _serve(srv: ChatServer, sid: str, request: Request, w: Wire):
     s = None
     try:
         s = _session(srv, sid, request)
-        req = wire.parse_request(w.schema, await request.body())
-        reply = await complete(s, w.conversation(req), **w.options(req))
-    except wire.WireError as e:
-        return JSONResponse(w.error(str(e), 400, None), status_code=400)
+        req, convo, options = await asyncio.to_thread(_read, s, w, await _body(s, request))
+        reply = await complete(s, convo, **options, gone=request.is_disconnected)
     except ChatError as e:
         return JSONResponse(w.error(e.message, e.status, e.code), status_code=e.status)
     except Exception as e:  # a server-side failure: answer 500, and the runner re-raises it (not the agent's fault)
@@ -262,6 +324,11 @@ async def _serve(srv: ChatServer, sid: str, request: Request, w: Wire):
 
 def build_app(srv: ChatServer) -> FastAPI:
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+
+    @app.exception_handler(StarletteHTTPException)  # unknown paths, wrong methods: the protocol's error shape too
+    async def http_error(request: Request, e: StarletteHTTPException):
+        shape = wire.anthropic_error if request.url.path.endswith("/messages") else wire.openai_error
+        return JSONResponse(shape(str(e.detail), e.status_code), status_code=e.status_code)
 
     @app.get("/s/{sid}/v1/models")
     async def models(sid: str, request: Request):

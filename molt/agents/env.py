@@ -15,6 +15,8 @@ The runner (`run_env_rollout`) keeps the rollout token-first (ARCHITECTURE.md §
 - the first observation is rendered with the chat template (generation prompt on), loss mask 0;
 - each assistant turn appends exactly the engine's ids with their log-probs and weight version
   (loss mask 1); the text handed to `step` is decoded from those ids and never re-tokenized;
+- message content that holds special-token text (a tool result writing `<|im_end|>`) is encoded
+  with special tokens split: it stays text and cannot forge a turn boundary;
 - each later observation is appended as a *delta* of the chat template: the end-of-turn glue
   after the assistant's ids (e.g. the "\n" after `<|im_end|>`), the new messages and the next
   generation prompt. Earlier turns are never re-rendered.
@@ -28,15 +30,20 @@ Choices:
   continue from a half-finished assistant message. The rollout never exceeds max_total_tokens and
   never ends with an observation nobody answers: such a last observation is not appended.
 - status "failed" when user code (make_env, reset, step, or rendering its messages) raises, or
-  step returns something other than (messages, reward, done): the error is logged with its
-  traceback, `info["failed"] = 1.0`, and the group goes on. Engine errors (EngineDied) are not
+  step returns something other than (messages, reward, done): the error goes, with its
+  file:line, into `Rollout.error` (the loop logs one line per kind and step; tracebacks at debug level),
+  `info["failed"] = 1.0`, and the group goes on. Engine errors (EngineDied) are not
   user code: they propagate.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
+import re
+import secrets
+import traceback
 from typing import Any, Callable
 
 from molt.agents import images
@@ -56,6 +63,12 @@ class TemplateError(RuntimeError):
     """The chat template cannot be extended by deltas: a setup error, fatal, never a failed rollout."""
 
 
+def where(e: BaseException | None) -> str:
+    """" (file:line)" of the innermost frame an exception was raised in (for one-line failure reports)."""
+    tb = traceback.extract_tb(e.__traceback__) if e is not None else []
+    return f" ({tb[-1].filename}:{tb[-1].lineno})" if tb else ""
+
+
 async def _user(fn: Callable, *args) -> Any:
     """Call user code (sync or async) and wrap whatever it raises in EnvError."""
     try:
@@ -67,14 +80,64 @@ async def _user(fn: Callable, *args) -> Any:
         raise EnvError(f"{getattr(fn, '__qualname__', fn)}: {type(e).__name__}: {e}") from e
 
 
-def _encode(tokenizer, text: str) -> list[int]:
-    # the template text already holds its special tokens (BOS included where the template has one)
-    return tokenizer.encode(text, add_special_tokens=False)
+def _special_texts(tokenizer) -> list[str]:
+    return [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
 
 
-def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
-    """The first observation as ids, ending with the generation prompt."""
-    return _encode(tokenizer, tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+@functools.lru_cache(maxsize=8)
+def _splitting(tokenizer):
+    """A copy of the fast tokenizer's backend that reads special-token text as plain text. A copy, not the
+    `split_special_tokens` flag: that flag flips shared state, and rendering runs on several threads."""
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    backend.encode_special_tokens = True
+    return backend
+
+
+def _hold(tokenizer, messages: list[dict], spliced: dict[int, list[int]]) -> tuple[list[dict], dict]:
+    """Messages with some contents swapped for placeholders, and what each placeholder stands for: ids to splice
+    (`spliced`: message index -> the engine's own ids of that assistant turn) or text that holds special-token
+    text (a tool result writing `<|im_end|>`), which must stay text and never become a control token."""
+    specials, out, held = _special_texts(tokenizer), [], {}
+    for i, m in enumerate(messages):
+        c = m.get("content")
+        if i in spliced or (isinstance(c, str) and any(t in c for t in specials)):
+            key = f"MOLTHELD{i}Z{secrets.token_hex(6)}"
+            held[key], m = spliced.get(i, c), dict(m, content=key)
+        out.append(m)
+    return out, held
+
+
+def _encode(tokenizer, text: str, held: dict | None = None) -> list[int]:
+    """Ids of template text (its own special tokens, BOS included where the template has one, stay control
+    tokens); placeholders of `_hold` become their ids, or their text encoded with special tokens split."""
+    if not held:
+        return tokenizer.encode(text, add_special_tokens=False)
+    parts = re.split("(" + "|".join(held) + ")", text)
+    if sorted(p for p in parts if p in held) != sorted(held):
+        raise ValueError("the chat template changes or repeats message content that holds special-token text or "
+                         "model output, so it cannot be rendered safely")
+    ids: list[int] = []
+    for i, p in enumerate(parts):
+        h = held.get(p)
+        if isinstance(h, list):  # the engine's ids; when they end with the end-of-turn token the template adds, once
+            last = tokenizer.decode(h[-1:], skip_special_tokens=False) if h and h[-1] in tokenizer.added_tokens_decoder else ""
+            if last and i + 1 < len(parts) and parts[i + 1].startswith(last):
+                parts[i + 1] = parts[i + 1][len(last):]
+            ids += h
+        elif h is not None:
+            ids += _splitting(tokenizer).encode(h, add_special_tokens=False).ids
+        elif p:
+            ids += tokenizer.encode(p, add_special_tokens=False)
+    return ids
+
+
+def render_prompt(tokenizer, messages: list[dict], spliced: dict[int, list[int]] | None = None) -> list[int]:
+    """The first observation as ids, ending with the generation prompt. `spliced`: message index -> ids that
+    stand for that message's content (the engine's own ids of an earlier reply: never re-encoded from text)."""
+    msgs, held = _hold(tokenizer, messages, spliced or {})
+    return _encode(tokenizer, tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False), held)
 
 
 def render_delta(tokenizer, messages: list[dict], last_token_id: int | None) -> list[int]:
@@ -86,8 +149,9 @@ def render_delta(tokenizer, messages: list[dict], last_token_id: int | None) -> 
     the dummy assistant content. Token-level splicing is exact when the glue begins at a special
     token boundary (ChatML and its relatives); the tests check this against the full rendering.
     """
+    msgs, held = _hold(tokenizer, list(messages), {})
     base = tokenizer.apply_chat_template(_DUMMY, tokenize=False)
-    full = tokenizer.apply_chat_template(_DUMMY + list(messages), add_generation_prompt=True, tokenize=False)
+    full = tokenizer.apply_chat_template(_DUMMY + msgs, add_generation_prompt=True, tokenize=False)
     close, tail = base[base.rindex(MARK) + len(MARK):], full[full.rindex(MARK) + len(MARK):]
     if not tail.startswith(close):
         raise TemplateError(f"the chat template ends an assistant turn differently once messages follow it "
@@ -97,7 +161,7 @@ def render_delta(tokenizer, messages: list[dict], last_token_id: int | None) -> 
         last = tokenizer.decode([last_token_id], skip_special_tokens=False)
         if tail.startswith(last):
             tail = tail[len(last):]
-    return _encode(tokenizer, tail)
+    return _encode(tokenizer, tail, held)
 
 
 async def _first_observation(env, sample: dict) -> list[dict]:
@@ -159,9 +223,9 @@ async def run_env_rollout(generate: Generate, tokenizer, make_env: Callable, sam
     ro = Rollout(rollout_id=rollout_id, group_id=group_id, segments=[Segment()], info={"turns": 0.0})
     try:
         await _drive(ro, generate, tokenizer, make_env, sample, agent_cfg, sampling)
-    except (EnvError, images.ImageError) as e:
-        log.warning("rollout %s failed in env code: %s", rollout_id, e, exc_info=e.__cause__)
-        ro.status, ro.reward, ro.info["failed"] = "failed", 0.0, 1.0
+    except (EnvError, images.ImageError) as e:  # the loop logs one line per kind and step; tracebacks at debug level
+        log.debug("rollout %s failed in env code: %s", rollout_id, e, exc_info=e.__cause__)
+        ro.status, ro.reward, ro.info["failed"], ro.error = "failed", 0.0, 1.0, f"{e}{where(e.__cause__)}"
         if isinstance(e, images.ImageError):
             ro.info[f"failed/image_{e.reason}"] = 1.0
     finally:

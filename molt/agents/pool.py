@@ -82,12 +82,15 @@ class RolloutWorker:
         await self.queue.put_async(("group", group))
 
     async def evaluate(self, path: str, max_samples: int, temperature: float) -> dict:
-        """Mean reward of one greedy (temperature 0) rollout per held-out sample."""
+        """Mean reward of one greedy (temperature 0) rollout per held-out sample; as reward/mean in training, failed
+        rollouts are left out of the mean and counted (eval/failed)."""
         rows = load_jsonl(path)[:max_samples]
         sampling = sampling_params(self.cfg.rollout, temperature)
         groups = await asyncio.gather(*[
             self.run_group(self.router, self.tokenizer, self.agent, row, f"eval{i}", 1, self.cfg.agent,
                            sampling, release=self.router.release)
             for i, row in enumerate(rows)])
-        rewards = [r.reward for g in groups for r in g.rollouts]
-        return {"eval/reward": sum(rewards) / max(len(rewards), 1), "eval/samples": float(len(rewards))}
+        rollouts = [r for g in groups for r in g.rollouts]
+        rewards = [r.reward for r in rollouts if r.status != "failed"]
+        return {"eval/reward": sum(rewards) / max(len(rewards), 1), "eval/samples": float(len(rollouts)),
+                "eval/failed": float(len(rollouts) - len(rewards))}
