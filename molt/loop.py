@@ -27,6 +27,7 @@ from ray.util.queue import Queue
 
 from molt import checkpoint, guards, tracking
 from molt.actor.group import run_actor
+from molt.agents import images
 from molt.agents.pool import RolloutWorker
 from molt.algo.advantages import ESTIMATORS, HELPER_TABLES, compute_advantages, helper_targets, token_table, untable
 from molt.assets import ensure_model
@@ -232,7 +233,8 @@ async def sync_and_verify(clients, actor, probe_segment, version: int, cfg) -> f
     """Push the new weights to every engine, then check one engine's log-probs on a probe sequence."""
     await sync_weights(clients, actor.export_weights(), version, cfg.engine.sync_dir)
     expected = actor.logprobs([probe_segment], cfg.rollout.temperature)[0][1:]
-    return await verify_sync(clients[0], probe_segment.token_ids, expected, tol=cfg.engine.probe_tol)
+    features = await images.engine_features(clients[0], probe_segment.images)  # an image prompt probes the vision tower
+    return await verify_sync(clients[0], probe_segment.token_ids, expected, tol=cfg.engine.probe_tol, **features)
 
 
 def rollout_metrics(groups, counts, version: int, probe: float) -> dict:
@@ -287,7 +289,8 @@ def dump_rollouts(cfg, groups, advantages, step: int) -> None:
             for r in g.rollouts:
                 segs = [{"token_ids": s.token_ids, "loss_mask": s.loss_mask, "logprobs": s.logprobs,
                          "versions": s.versions, "advantage": next(adv),
-                         "routed_experts": None if s.routed_experts is None else s.routed_experts.tolist()}
+                         "routed_experts": None if s.routed_experts is None else s.routed_experts.tolist(),
+                         "images": [images.record(im) for im in s.images]}
                         for s in r.segments]
                 f.write(json.dumps({"step": step, "group_id": g.group_id, "rollout_id": r.rollout_id,
                                     "reward": r.reward, "status": r.status, "info": r.info, "segments": segs}) + "\n")

@@ -208,3 +208,28 @@ def features(ims: list[Image]) -> dict:
 def detach(seg: Segment) -> None:
     """Drop the engine's processed images: the actor recomputes pixels from the source bytes (README "Images")."""
     seg.images = [replace(im, engine=None) for im in seg.images]
+
+
+async def engine_features(client, ims: list[Image]) -> dict:
+    """`features` for images whose engine payload was dropped (a probe in the driver): the engine renders them again
+    from their source bytes, and the same bytes give the same processed image (checked by its hash)."""
+    if not ims:
+        return {}
+    parts = [{"type": "image_url", "image_url": {"url": f"data:{MIME[_format(im.data)]};base64,"
+                                                        f"{base64.b64encode(im.data).decode()}"}} for im in ims]
+    f = (await client.render([{"role": "user", "content": parts}]))["features"]
+    assert f["mm_hashes"]["image"] == [im.sha256 for im in ims], "the engine processed the same image differently"
+    return features([replace(im, engine={k: f[k]["image"][i] for k in ("kwargs_data", "mm_metadata")})
+                     for i, im in enumerate(ims)])
+
+
+def _format(data: bytes) -> str:
+    from PIL import Image as PIL
+
+    with PIL.open(io.BytesIO(data)) as im:
+        return im.format
+
+
+def record(im: Image) -> dict:
+    """An image in a rollout dump: where its tokens are, its hash and size; never the pixels."""
+    return {"offset": im.offset, "length": im.length, "sha256": im.sha256, "bytes": len(im.data)}

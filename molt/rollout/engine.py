@@ -280,10 +280,16 @@ class EngineClient:
         body = {"model": SERVED_NAME, "messages": messages, "add_generation_prompt": True}
         return await self._call("POST", "/v1/chat/completions/render", json=body)
 
-    async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
-        """log p(token_i | token_<i) for i >= 1 under the engine's current weights (a probe)."""
-        body = {"model": SERVED_NAME, "prompt": token_ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
-        scored = (await self._call("POST", "/v1/completions", json=body))["choices"][0]["prompt_logprobs"]
+    async def prompt_logprobs(self, token_ids: list[int], features: dict | None = None) -> list[float]:
+        """log p(token_i | token_<i) for i >= 1 under the engine's current weights (a probe); `features`: the
+        prompt's images (molt/agents/images.py), scored through the token endpoint, which takes them."""
+        if features:
+            sp = dict(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+            body = {"token_ids": token_ids, "sampling_params": sp, "features": features}
+            scored = (await self._call("POST", "/inference/v1/generate", json=body))["prompt_logprobs"]
+        else:
+            body = {"model": SERVED_NAME, "prompt": token_ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+            scored = (await self._call("POST", "/v1/completions", json=body))["choices"][0]["prompt_logprobs"]
         return [pos[str(t)]["logprob"] for pos, t in zip(scored[1:], token_ids[1:])]  # position 0 has none
 
     async def pause(self, mode: str = "wait") -> None:
@@ -364,9 +370,10 @@ async def sync_weights(clients: list[EngineClient], state_dict: dict[str, torch.
     return time.perf_counter() - t0
 
 
-async def verify_sync(client: EngineClient, probe_ids: list[int], expected_logprobs: list[float], tol: float) -> float:
-    """Max |engine - actor| log-prob on a probe sequence; raises when it exceeds tol."""
-    got = await client.prompt_logprobs(probe_ids)
+async def verify_sync(client: EngineClient, probe_ids: list[int], expected_logprobs: list[float], tol: float,
+                      features: dict | None = None) -> float:
+    """Max |engine - actor| log-prob on a probe sequence (with its images' `features`); raises when it exceeds tol."""
+    got = await client.prompt_logprobs(probe_ids, features)
     assert len(got) == len(expected_logprobs), f"probe of {len(got)} log-probs vs {len(expected_logprobs)} expected"
     diff = max(abs(a - b) for a, b in zip(got, expected_logprobs))
     if diff > tol:

@@ -26,7 +26,7 @@ from molt.agents.chat_server import stop_shared_server
 from molt.agents.env import run_env_rollout, run_group
 from molt.assets import VL_IMAGE, ensure_model
 from molt.config import AgentConfig, EngineConfig, TrainConfig
-from molt.rollout.engine import EngineClient, launch_engines
+from molt.rollout.engine import EngineClient, launch_engines, sync_weights, verify_sync
 from molt.rollout.router import Router
 
 SEQ = (VL_IMAGE["image_size"] // VL_IMAGE["patch_size"]) ** 2 // VL_IMAGE["scale_factor"] ** 2  # image tokens
@@ -250,3 +250,23 @@ def test_chat_bad_image_fails_the_rollout_with_its_reason(loop, router, tok):
     cfg = AgentConfig(mode="chat", max_tokens_per_turn=4, image_max_pixels=200 * 200)
     ro = on(loop, run_chat_rollout(router, tok, agent, {}, "c-bad", "g", cfg, STOP))
     assert ro.status == "failed" and ro.info["failed/image_too_large"] == 1.0 and ro.reward == 0.0
+
+
+def test_weight_sync_covers_the_vision_tower(router, tok, actor, tmp_path):
+    """Only the vision tower changes in the actor; after a sync the engine's log-probs on an image prompt move
+    with it and match the actor's (the loop's probe, on images rendered again from their bytes). Runs last: the
+    module's engine keeps the new weights."""
+    ro = asyncio.run(run_env_rollout(router, tok, TwoImages, SAMPLE, "sync", "g", AGENT, STOP))
+    seg = ro.segments[0]
+    client = next(iter(router.clients.values()))
+    features = asyncio.run(images.engine_features(client, seg.images))
+    before = asyncio.run(client.prompt_logprobs(seg.token_ids, **features))
+    assert max(abs(a - b) for a, b in zip(before, actor.logprobs([seg])[0][1:])) <= 1e-4
+    with torch.no_grad():
+        for p in actor.model.model.vision_model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.05)
+    expected = actor.logprobs([seg])[0][1:]
+    asyncio.run(sync_weights([client], actor.export_weights(), 1, tmp_path))
+    after = asyncio.run(client.prompt_logprobs(seg.token_ids, **features))
+    assert max(abs(a - b) for a, b in zip(before, after)) > 1e-3  # the vision weights arrived ...
+    assert asyncio.run(verify_sync(client, seg.token_ids, expected, 1e-4, **features)) <= 1e-4  # ... all of them
