@@ -355,6 +355,12 @@ def cp_full_attention(cfg, hf):
                 "context parallelism does not implement: set fsdp.cp_size=1")
 
 
+def cp_with_images(cfg, hf):
+    if cfg.fsdp.cp_size > 1 and "vision_config" in hf:
+        return (f"fsdp.cp_size={cfg.fsdp.cp_size} but model={cfg.model.name} is a vision-language model: context "
+                "parallelism slices rows by column and would split images from their tokens: set fsdp.cp_size=1")
+
+
 # Order matters: the layout guards come first, and the model guards come before anything that reads the
 # model's config.
 GUARDS = [fsdp_sizes, fsdp_offload, ranks_fit_cluster, single_node, micro_batch_rows, cp_splits_rows,
@@ -364,7 +370,7 @@ GUARDS = [fsdp_sizes, fsdp_offload, ranks_fit_cluster, single_node, micro_batch_
           is_correction_names, is_correction_band, is_correction_seq_mode, filter_needs_group, max_lag, temperature,
           replay_needs_experts,
           replay_needs_routes, routes_need_gpu, sync_path, engines, context_fits, agent_mode, agent_module,
-          task_files, task_renders, batch_fits_inflight, cp_full_attention]
+          task_files, task_renders, batch_fits_inflight, cp_full_attention, cp_with_images]
 
 
 def check(cfg: Any) -> None:

@@ -90,6 +90,7 @@ CASES = [
     ("cp_splits_rows", ["fsdp.cp_size=3", "train.row_tokens=100"], "multiple of 6"),
     ("cp_full_attention", ["fsdp.cp_size=2", "model.build=",
                            "model.path=${assets_dir}/sliding"], "sliding-window attention"),
+    ("cp_with_images", ["fsdp.cp_size=2", "model=tiny_vl"], "vision-language model"),
 ]
 
 
@@ -107,6 +108,7 @@ def test_guard_fires(base, name, overrides, fragment):
 
 
 @pytest.mark.parametrize("overrides", [[], ["experiment=quickstart"], ["experiment=smollm2"], ["model=tiny_moe"],
+                                       ["experiment=vision"],
                                        ["train.routing_replay=false", "rollout.max_lag=0", "rollout.n=2"],
                                        OPD + ["rollout.n=1"], ["estimator=gae", "rollout.n=1"],
                                        ["is_correction.level=geo", "is_correction.low=0.99", "is_correction.high=1.01",

@@ -1,10 +1,11 @@
-"""Vision task "which colour?": the image is a noisy square of one of four colours on a grey ground; the prompt
+"""Vision task "which colour?": the image is a square of one of four colours (its shade jittered) on a grey ground; the prompt
 asks for the colour's number (1 red, 2 green, 3 blue, 4 yellow). Only the image says which: the prompt is the
 same for every colour, so a policy that beats 1/4 correct reads the image. One turn, one or two tokens.
 
-Reward, from the model's text only (s = the reply stripped): 1.0 when s is the right digit; 0.25 when s is one of
-the four digits but the wrong one; 0 otherwise. The format is learned first (reward ~0.25 -> ~0.44 at chance), then
-the colour (up to 1.0): a mean reward of r with every reply a digit means (4r - 1) / 3 correct.
+Reward, from the model's text only, graded so that a random policy already gets some signal (s = the reply
+stripped, d = its first character among 1-4):
+    0.25 if s holds a digit 1-4 at all, + 0.25 if s is exactly one such digit, + 0.5 if d is the right one.
+So a policy that answers one digit at random earns 0.625; reading the image correctly earns 1.0.
 
     python -m experiments.vision.make_data    # regenerates data/train.jsonl and data/eval.jsonl
     molt experiment=vision
@@ -17,7 +18,10 @@ QUESTION = "Which colour is the square? Answer 1 red, 2 green, 3 blue or 4 yello
 
 def reward(text: str, answer: str) -> float:
     s = text.strip()
-    return 1.0 if s == answer else 0.25 if s in COLOURS else 0.0
+    digits = [c for c in s if c in COLOURS]
+    if not digits:
+        return 0.0
+    return 0.25 + 0.25 * (s in COLOURS) + 0.5 * (digits[0] == answer)
 
 
 class ColourEnv:
