@@ -270,3 +270,19 @@ def test_weight_sync_covers_the_vision_tower(router, tok, actor, tmp_path):
     after = asyncio.run(client.prompt_logprobs(seg.token_ids, **features))
     assert max(abs(a - b) for a, b in zip(before, after)) > 1e-3  # the vision weights arrived ...
     assert asyncio.run(verify_sync(client, seg.token_ids, expected, 1e-4, **features)) <= 1e-4  # ... all of them
+
+
+def test_local_paths_only_under_image_dir(tmp_path):
+    (tmp_path / "ok").mkdir()
+    (tmp_path / "ok" / "a.png").write_bytes(png(8))
+    (tmp_path / "secret.png").write_bytes(png(9))
+    cfg = AgentConfig(image_dir=str(tmp_path / "ok"))
+    for url in (str(tmp_path / "ok" / "a.png"), f"file://{tmp_path / 'ok' / 'a.png'}"):
+        msgs, datas = images.prepare([user("x", {"type": "image_url", "image_url": {"url": url}})], cfg)
+        assert datas == [png(8)] and msgs[0]["content"][0]["image_url"]["url"] == data_url(png(8))
+    for url in (str(tmp_path / "secret.png"), str(tmp_path / "ok" / ".." / "secret.png")):
+        with pytest.raises(images.ImageError, match="url_not_allowed"):
+            images.prepare([user("x", {"type": "image_url", "image_url": {"url": url}})], cfg)
+    with pytest.raises(images.ImageError, match="url_not_allowed"):  # no image_dir: data URLs only
+        images.prepare([user("x", {"type": "image_url", "image_url": {"url": str(tmp_path / "ok" / "a.png")}})],
+                       AgentConfig())
