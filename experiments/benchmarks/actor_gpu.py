@@ -19,6 +19,8 @@ Logs and profiler tables go to $OUT (or a temp dir).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import gc
 import inspect
 import math
@@ -35,6 +37,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
 from molt.actor import actor as actor_mod
+from molt.actor import parallel
 from molt.actor.actor import Actor, token_logprobs
 from molt.actor.pack import pack, to_device
 from molt.config import FsdpConfig, TrainConfig
@@ -161,14 +164,59 @@ def actor(path: Path, cfg, rows: int, row_tokens: int, variant: dict, mesh=None)
                         activation_checkpointing=bool(variant.get("ac")), compile=bool(variant.get("compile")))
     set_head_chunk(variant.get("chunk", actor_mod.HEAD_CHUNK))
     kw = dict(fsdp=FsdpConfig(), mesh=mesh) if mesh is not None else {}
-    act = Actor(path, train, dtype=variant.get("dtype", "bfloat16"), attn_implementation=variant["attn"],
-                device="cuda", **kw)
+    with fsdp_knobs(variant):
+        act = Actor(path, train, dtype=variant.get("dtype", "bfloat16"), attn_implementation=variant["attn"],
+                    device="cuda", **kw)
     segs = segments(rows, row_tokens, cfg.vocab_size)
     adv = [1.0 if i % 2 else -1.0 for i in range(len(segs))]
     assert pack(segs, adv, row_tokens).input_ids.shape == (rows, row_tokens)
     step = lambda: act.train_step(segs, adv)  # noqa: E731
     head_tokens = sum(s.num_generated for s in segs)
     return step, [len(s.token_ids) for s in segs], head_tokens, act
+
+
+@contextlib.contextmanager
+def fsdp_knobs(variant: dict):
+    """Benchmark-only A/B switches of parallel.apply_fsdp, to measure a layout choice before making it the code's:
+    experts_in_layer: no separate fully_shard of the MoE experts (they shard with their decoder layer);
+    keep_unsharded: reshard_after_forward=False (the bf16 copy made in forward is reused by backward)."""
+    saved = parallel.expert_modules, parallel.fully_shard
+    if variant.get("experts_in_layer"):
+        parallel.expert_modules = lambda m: []  # only apply_fsdp asks while a 1-GPU (ep 1) actor is built
+    if variant.get("keep_unsharded"):
+        parallel.fully_shard = functools.partial(saved[1], reshard_after_forward=False)
+    try:
+        yield
+    finally:
+        parallel.expert_modules, parallel.fully_shard = saved
+
+
+def numerics(path: Path, cfg, row_tokens: int, lr: float = 1e-5) -> None:
+    """Log-probs, loss and the log-prob change of one optimizer step of each path against the fp32 reference (fp32
+    weights and compute, no FSDP) on one packed row: what bf16 compute and bf16 weights cost in accuracy."""
+    segs = segments(1, row_tokens, cfg.vocab_size, seed=2)
+    adv = [1.0 if i % 2 else -1.0 for i in range(len(segs))]
+    paths = {"fp32": dict(dtype="float32"), "bf16": dict(dtype="bfloat16"),
+             "fp32+FSDP2 bf16 compute": dict(dtype="float32", mesh=True)}
+    out = {}
+    for name, v in paths.items():
+        cleanup()
+        train = TrainConfig(row_tokens=row_tokens, lr=lr, grad_clip=0.0)
+        kw = dict(fsdp=FsdpConfig(), mesh=one_mesh()) if v.get("mesh") else {}
+        act = Actor(path, train, dtype=v["dtype"], attn_implementation="flex_attention", device="cuda", **kw)
+        before = torch.tensor(sum(act.logprobs(segs), []))
+        m = act.train_step(segs, adv)
+        out[name] = before, torch.tensor(sum(act.logprobs(segs), [])) - before, m["loss/policy"]
+        del act
+    ref_lp, ref_dlp, ref_loss = out["fp32"]
+    say(f"\nnumerics, 1 x {row_tokens} tokens, one AdamW step at lr {lr}: against the fp32 path")
+    say("| path | max abs logp diff | mean abs logp diff | loss diff | step's logp change: rel. error, corr |")
+    say("|---|---:|---:|---:|---:|")
+    for name, (lp, dlp, loss) in out.items():
+        rel = float((dlp - ref_dlp).norm() / ref_dlp.norm().clamp(min=1e-30))
+        corr = float(torch.corrcoef(torch.stack([dlp, ref_dlp]))[0, 1])
+        say(f"| {name} | {(lp - ref_lp).abs().max():.2e} | {(lp - ref_lp).abs().mean():.2e} | "
+            f"{abs(loss - ref_loss):.2e} | {rel:.3f}, {corr:.3f} |")
 
 
 # ---- checks and profile ----------------------------------------------------------------------------------------
@@ -243,6 +291,8 @@ VARIANTS = {  # most telling first: --deadline skips the tail. compile = train.c
         dict(name="actor bf16 flex +AC +compile", attn="flex_attention", ac=True, compile=True),
         dict(name="actor fp32+FSDP2 bf16 flex +compile", attn="flex_attention", dtype="float32", mesh=True,
              compile=True),
+        dict(name="fp32+FSDP2 +compile keep-unsharded", attn="flex_attention", dtype="float32", mesh=True,
+             compile=True, keep_unsharded=True),
         dict(name="actor bf16 flex +AC", attn="flex_attention", ac=True),
     ],
     "moe": [
@@ -251,6 +301,12 @@ VARIANTS = {  # most telling first: --deadline skips the tail. compile = train.c
         dict(name="actor bf16 flex", attn="flex_attention"),
         dict(name="actor fp32+FSDP2 bf16 flex +AC +compile", attn="flex_attention", dtype="float32", mesh=True,
              ac=True, compile=True),
+        dict(name="actor fp32+FSDP2 bf16 flex +compile", attn="flex_attention", dtype="float32", mesh=True,
+             compile=True),
+        dict(name="fp32+FSDP2 +compile experts-in-layer", attn="flex_attention", dtype="float32", mesh=True,
+             compile=True, experts_in_layer=True),
+        dict(name="fp32+FSDP2 +compile experts-in-layer keep-unsharded", attn="flex_attention", dtype="float32",
+             mesh=True, compile=True, experts_in_layer=True, keep_unsharded=True),
         dict(name="actor bf16 flex +AC +compile", attn="flex_attention", ac=True, compile=True),
     ],
 }
@@ -291,7 +347,11 @@ def run_variant(part: str, v: dict, path: Path, cfg, rows: int, row_tokens: int)
         else:
             step, lengths, head_tokens, act = actor(path, cfg, rows, row_tokens, v,
                                                     mesh=one_mesh() if v.get("mesh") else None)
+            torch._dynamo.utils.counters.clear()
             sec = time_steps(step, warmup, steps)
+            breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+            if v.get("compile"):
+                say(f"  {v['name']}: {breaks} graph breaks {dict(torch._dynamo.utils.counters['graph_break'])}"[:400])
             if v["name"] in PROFILE:
                 profile(step, part + "_" + "".join(c if c.isalnum() else "_" for c in v["name"]))
     except Exception as e:  # one variant's failure (OOM, a compile error) is a result, not the end of the run
@@ -328,7 +388,13 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes: every path once, in about a minute")
     ap.add_argument("--only", default="", help="comma-separated variant names to run (default: all)")
     ap.add_argument("--deadline", type=float, default=1e9, help="seconds per part: start no variant after")
+    ap.add_argument("--profile", default="", help="comma-separated variant names to profile (default: "
+                    + ", ".join(sorted(PROFILE)) + ")")
+    ap.add_argument("--numerics", action="store_true", help="first compare the paths' log-probs and update (dense)")
     args = ap.parse_args()
+    if args.profile:
+        PROFILE.clear()
+        PROFILE.update(args.profile.split(","))
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     props = torch.cuda.get_device_properties(0)
     say(f"{props.name}, {props.total_memory / 2 ** 30:.0f} GiB, torch {torch.__version__}, "
@@ -344,6 +410,8 @@ def main() -> None:
         path = Path(tempfile.mkdtemp(dir=store)) / part
         build(cfg, path)
         say(f"\n{part}: {rows} x {row_tokens} tokens, config {spec}")
+        if args.numerics and part == "dense":
+            numerics(path, cfg, row_tokens)
         only = set(filter(None, args.only.split(",")))
         if not only:
             say(f"flex vs sdpa log-prob max |diff| on packed rows: {check_flex(path, cfg, rows, row_tokens):.4f}")

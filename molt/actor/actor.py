@@ -16,7 +16,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers.core_model_loading import revert_weight_conversion
 
-from molt.actor import context, loading, parallel, vision
+from molt.actor import attention, context, loading, parallel, speed, vision
 from molt.actor import replay as replay_mod
 from molt.actor.pack import NO_TARGET, align_next, cp_slice, micro_batches, pack, to_device, unalign
 from molt.algo.loss import Objective, combine
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from molt.config import FsdpConfig, TrainConfig
 
-ATTENTION = ("sdpa", "eager", "flex_attention")  # all honour packed rows through position_ids (see pack.py, speed.py)
+ATTENTION = (attention.NAME, "sdpa", "eager", "flex_attention")  # all honour packed rows through position_ids (pack.py)
 HEAD_CHUNK = 1024  # tokens per vocabulary projection: bounds the live (tokens, vocab) logits
 
 
@@ -133,8 +133,11 @@ class Actor:
     estimator needs (molt/actor/helpers.py) are built with `add_helper` on this actor's device and layout."""
 
     def __init__(self, model_dir: str | Path, train: TrainConfig, dtype: str = "float32",
-                 attn_implementation: str = "sdpa", device: str = "cpu", objective=None,
+                 attn_implementation: str | None = None, device: str = "cpu", objective=None,
                  fsdp: FsdpConfig | None = None, mesh: DeviceMesh | None = None):
+        # a vision tower attends under its own padding mask, which molt_varlen (no mask function) would drop
+        attn_implementation = attn_implementation or ("sdpa" if vision.is_vision(model_dir) else
+                                                      speed.fast_attention(device))
         if attn_implementation not in ATTENTION:
             raise ValueError(f"attn_implementation={attn_implementation!r}: use one of {ATTENTION}")
         if train.num_threads > 0:
@@ -240,9 +243,11 @@ class Actor:
             return torch.nn.utils.clip_grad_norm_(params, max_norm)
         norm = parallel.grad_norm(params, self.device)
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as clip_grad_norm_ does
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.device))
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for g in parallel.local_grads(params):  # offloaded grads live on the host
+            by_device.setdefault(g.device, []).append(g)
+        for device, grads in by_device.items():
+            torch._foreach_mul_(grads, coef.to(device))
         return norm
 
     def _per_token(self, fn, segments: list[Segment]) -> list[list[float]]:

@@ -205,14 +205,16 @@ def full_tensors(model, grads: bool = False, head: bool = False) -> dict[str, to
     return out
 
 
+def local_grads(params) -> list[torch.Tensor]:
+    """This rank's part of every gradient (DTensor shards as their local tensors, which alias them)."""
+    return [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+
+
 def grad_norm(params, device) -> torch.Tensor:
     """Global L2 norm of sharded gradients: each element lives on exactly one rank (dense params are sharded over
-    all ranks, each ep rank holds different experts), so local squared norms sum to the total."""
-    sq = torch.zeros((), dtype=torch.float32, device=device)
-    for p in params:
-        if p.grad is not None:
-            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            sq += g.float().pow(2).sum().to(device)  # offloaded grads live on the host
+    all ranks, each ep rank holds different experts), so local squared norms sum to the total. Foreach kernels:
+    one launch per device and dtype, not a few per parameter."""
+    sq = torch.nn.utils.get_total_norm(local_grads(params), foreach=True).to(device=device, dtype=torch.float32) ** 2
     dist.all_reduce(sq)
     return sq.sqrt()
 

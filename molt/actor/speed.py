@@ -4,7 +4,8 @@ Measured by experiments/benchmarks/actor_gpu.py; the figures and what limits the
 - Attention over packed rows: the mask is block-diagonal causal (pack.py). With "sdpa" transformers materialises it as a
   dense (R, 1, T, T) boolean mask and SDPA runs its masked kernel over every score; with "flex_attention" transformers
   builds a BlockMask from the same position resets and the kernel skips the blocks that cross segments.
-  flash-attention-2 kernels are not in the GPU image. `fast_attention(device)` picks the implementation.
+  flash-attention-2 kernels are not in the GPU image. On CPU "molt_varlen" (attention.py) runs causal SDPA per
+  segment, never scoring across segments. `fast_attention(device)` picks the implementation.
 - Experts: transformers' "grouped_mm" experts implementation (its default for models that support it) runs one layer's
   experts as two grouped GEMMs; "eager" loops over the experts in Python.
 - Activation checkpointing (`train.activation_checkpointing`): keep only each decoder layer's input and recompute the
@@ -19,7 +20,7 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
-ATTENTION_BY_DEVICE = {"cuda": "flex_attention", "cpu": "sdpa"}
+ATTENTION_BY_DEVICE = {"cuda": "flex_attention", "cpu": "molt_varlen"}  # molt_varlen: molt/actor/attention.py
 
 
 def fast_attention(device) -> str:

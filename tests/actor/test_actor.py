@@ -76,7 +76,7 @@ def test_segment_longer_than_row_fails():
         pack(make_segments((10, 17)), [1.0, 1.0], row_tokens=16)
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["molt_varlen", "sdpa", "eager"])
 def test_packed_logprobs_equal_unpacked(model_dir, attn):
     actor = Actor(model_dir, TrainConfig(row_tokens=32, micro_batch_rows=2), attn_implementation=attn)
     segs = make_segments()

@@ -43,7 +43,7 @@ def test_checkpointing_is_idempotent_and_picks_attention(model_dir):
     inner = model.get_decoder().layers[0].forward
     assert speed.checkpoint_layers(model) == model.config.num_hidden_layers
     assert model.get_decoder().layers[0].forward is inner  # not wrapped twice (two recomputes)
-    assert speed.fast_attention("cpu") == "sdpa" and speed.fast_attention("cuda:0") == "flex_attention"
+    assert speed.fast_attention("cpu") == "molt_varlen" and speed.fast_attention("cuda:0") == "flex_attention"
 
 
 def test_compiled_layers_and_head_match_eager(model_dir):

