@@ -10,7 +10,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.molt-installed
 export HF_HUB_OFFLINE := 1
-export RAY_AUTH_MODE := disabled
+export RAY_AUTH_MODE := token
 export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 

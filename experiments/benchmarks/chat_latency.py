@@ -47,7 +47,7 @@ from molt.agents.chat_server import stop_shared_server
 from molt.agents.env import render_delta, render_prompt
 from molt.assets import ensure_model
 from molt.config import AgentConfig, EngineConfig
-from molt.rollout.engine import EngineClient, launch_engines
+from molt.rollout.engine import launch_engines
 from molt.rollout.router import Router
 
 
@@ -114,8 +114,8 @@ async def via_server(router: Router, tok, sessions: int, turns: int, max_tokens:
     return lat, added, rps
 
 
-async def bench(url: str, tok, args) -> list[str]:
-    router = Router([EngineClient("engine0", url, timeout_s=300)])
+async def bench(engine, tok, args) -> list[str]:
+    router = Router([engine.client(300)])
     await direct(router, tok, 8, 2, args.max_tokens)  # warm-up: engine, connections, server start
     await via_server(router, tok, 8, 2, args.max_tokens, sdk=True)
     ms = lambda xs: f"{1000 * pct(xs, 50):.1f} / {1000 * pct(xs, 99):.1f}"
@@ -144,7 +144,7 @@ def main() -> None:
         model = ensure_model(Path(tmp) / "tiny", "tiny")
         tok = AutoTokenizer.from_pretrained(model)
         with launch_engines(EngineConfig(startup_timeout_s=600), model, Path(tmp) / "logs") as servers:
-            rows = asyncio.run(bench(servers[0].url, tok, args))
+            rows = asyncio.run(bench(servers[0], tok, args))
     print("\n".join(rows))
 
 

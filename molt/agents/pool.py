@@ -29,11 +29,11 @@ def sampling_params(rollout_cfg, temperature=None) -> dict:
 
 @ray.remote(num_cpus=0)
 class RolloutWorker:
-    def __init__(self, cfg, engines: list[tuple[str, str]], queue, model_dir: str, initial_credits: int):
+    def __init__(self, cfg, engines: list[EngineClient], queue, model_dir: str, initial_credits: int):
         from transformers import AutoTokenizer
 
         self.cfg, self.queue = cfg, queue
-        self.router = Router([EngineClient(name, url, cfg.engine.request_timeout_s) for name, url in engines])
+        self.router = Router(engines)  # clients pickle as (name, url, timeout, key): fresh connections here
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.run_group = MODES[cfg.agent.mode].run_group
         self.agent = load_agent(cfg.agent.mode, importlib.import_module(cfg.agent.module))
@@ -48,9 +48,6 @@ class RolloutWorker:
     async def grant(self, n: int) -> None:
         self.credits += n
         self.wake.set()
-
-    async def position(self) -> int:
-        return self.stream.position
 
     async def _run(self) -> None:
         inflight: set[asyncio.Task] = set()

@@ -1,7 +1,7 @@
 """vLLM rollout engines: server processes, a token-in/token-out client and `reload` weight sync.
 
     with launch_engines(cfg.engine, model_dir, log_dir) as servers:
-        client = EngineClient(servers[0].name, servers[0].url)
+        client = servers[0].client()                          # an EngineClient, with the run's API key
         done = await client.generate(prompt_ids, max_tokens=16)  # ids, behaviour log-probs, version
         await sync_weights([client], actor_state_dict, version=1, sync_dir="/dev/shm")
 
@@ -16,6 +16,7 @@ import asyncio
 import ctypes
 import os
 import shutil
+import secrets
 import signal
 import socket
 import subprocess
@@ -50,10 +51,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_cmd(cfg: EngineConfig, model_dir: str | Path, port: int) -> list[str]:
-    """The vLLM server command line for one engine."""
+def server_cmd(cfg: EngineConfig, model_dir: str | Path, port: int, uds: str = "") -> list[str]:
+    """The vLLM server command line for one engine: on a Unix socket `uds`, or TCP on 127.0.0.1:port."""
+    where = ["--uds", uds] if uds else ["--host", "127.0.0.1", "--port", str(port)]
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
+           *where, "--served-model-name", SERVED_NAME,
            "--dtype", cfg.dtype, "--max-model-len", str(cfg.max_model_len), "--max-num-seqs", str(cfg.max_num_seqs),
            # behaviour log-probs of the distribution actually sampled (after temperature/top-p/top-k)
            "--logprobs-mode", "processed_logprobs",
@@ -120,35 +122,48 @@ def _log_tail(path: Path, n: int = 20) -> str:
 
 @dataclass
 class EngineServer:
-    """One vLLM server subprocess, in its own session (process group = its pid)."""
+    """One vLLM server subprocess, in its own session (process group = its pid).
+
+    Reachable only by this user: with engine.uds it listens on a Unix socket in a 0700 directory (`sock_dir`),
+    because vLLM's API key guards only /v1, /v2, /inference and /cohere, not the dev routes (/pause,
+    /collective_rpc, /update_weight_version, /server_info); the key (`api_key`, per run, passed in the
+    environment, never on the command line) guards generation on TCP too.
+    """
 
     name: str
     cfg: EngineConfig
     model_dir: str
     log_dir: str
     port: int = 0
+    api_key: str = field(default="", repr=False)
+    sock_dir: str = ""  # engine.uds: the 0700 directory of the socket
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"unix:{self.sock_dir}/{self.name}.sock" if self.sock_dir else f"http://127.0.0.1:{self.port}"
+
+    def client(self, timeout_s: float | None = None) -> EngineClient:
+        return EngineClient(self.name, self.url, timeout_s or self.cfg.request_timeout_s, self.api_key)
 
     @property
     def log_path(self) -> Path:
         return Path(self.log_dir) / f"{self.name}.log"
 
     def env(self) -> dict[str, str]:
-        return dict(os.environ, VLLM_SERVER_DEV_MODE="1",  # pause/resume/collective_rpc routes (loopback only)
+        return dict(os.environ, VLLM_SERVER_DEV_MODE="1",  # pause/resume/collective_rpc routes (see the class doc)
+                    VLLM_API_KEY=self.api_key,
                     HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=str(self.cfg.kv_cache_gb),
                     VLLM_CPU_OMP_THREADS_BIND=self.cfg.cpu_threads_bind, VLLM_HTTP_TIMEOUT_KEEP_ALIVE="60",
                     VLLM_CACHE_ROOT=str(Path(self.log_dir) / f"{self.name}.cache"))
 
     def start(self) -> None:
         assert self.proc is None, f"engine {self.name} already started"
-        self.port = self.port or free_port()
+        self.port = self.port or (0 if self.sock_dir else free_port())
         Path(self.log_dir).mkdir(parents=True, exist_ok=True)
+        uds = self.url.removeprefix("unix:") if self.sock_dir else ""
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(server_cmd(self.cfg, self.model_dir, self.port), stdin=subprocess.DEVNULL,
+            self.proc = subprocess.Popen(server_cmd(self.cfg, self.model_dir, self.port, uds), stdin=subprocess.DEVNULL,
                                          stdout=log, stderr=subprocess.STDOUT, env=self.env(),
                                          start_new_session=True, preexec_fn=_die_with_parent)
 
@@ -162,8 +177,10 @@ class EngineServer:
                 raise RuntimeError(f"engine {self.name} exited (code {self.proc.returncode}) before it was healthy; "
                                    f"last lines of {self.log_path}:\n{_log_tail(self.log_path)}")
             try:
-                if httpx.get(self.url + "/health", timeout=5, trust_env=False).status_code == 200:
-                    return
+                base, uds = _endpoint(self.url)
+                with httpx.Client(transport=httpx.HTTPTransport(uds=uds), timeout=5, trust_env=False) as http:
+                    if http.get(base + "/health").status_code == 200:
+                        return
             except httpx.TransportError:
                 pass
             time.sleep(0.5)
@@ -188,7 +205,9 @@ def launch_engines(cfg: EngineConfig, model_dir: str | Path, log_dir: str | Path
     """Start cfg.num_engines servers concurrently, wait until all are healthy, always stop them."""
     assert cfg.num_engines >= 1, f"engine.num_engines={cfg.num_engines}: need at least one engine"
     ports = [cfg.base_port + i if cfg.base_port else 0 for i in range(cfg.num_engines)]
-    servers = [EngineServer(f"engine{i}", cfg, str(model_dir), str(log_dir), port=p) for i, p in enumerate(ports)]
+    key, sock_dir = secrets.token_hex(16), tempfile.mkdtemp(prefix="molt-engines-") if cfg.uds else ""  # 0700
+    servers = [EngineServer(f"engine{i}", cfg, str(model_dir), str(log_dir), port=p, api_key=key, sock_dir=sock_dir)
+               for i, p in enumerate(ports)]
     try:
         for s in servers:
             s.start()  # in this thread: the parent-death signal is tied to the forking thread
@@ -199,6 +218,8 @@ def launch_engines(cfg: EngineConfig, model_dir: str | Path, log_dir: str | Path
     finally:
         with ThreadPoolExecutor(len(servers)) as pool:
             list(pool.map(EngineServer.stop, servers))
+        if sock_dir:
+            shutil.rmtree(sock_dir, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,16 +237,22 @@ def _routes(ch: dict, num_tokens: int):
     return None if ch.get("routed_experts") is None else routes.decode(ch["routed_experts"], num_tokens)
 
 
-class EngineClient:
-    """Async HTTP client of one engine. Picklable: rebuilt from (name, url, timeout_s) in any process."""
+def _endpoint(url: str) -> tuple[str, str | None]:
+    """(base URL, Unix socket path or None): `unix:PATH` is an engine serving on that socket."""
+    return ("http://engine", url.removeprefix("unix:")) if url.startswith("unix:") else (url, None)
 
-    def __init__(self, name: str, url: str, timeout_s: float = 120.0):
-        self.name, self.url, self.timeout_s = name, url, timeout_s
+
+class EngineClient:
+    """Async HTTP client of one engine (`EngineServer.client()`). Picklable: rebuilt from (name, url, timeout_s,
+    api_key) in any process; url is http://host:port or unix:PATH."""
+
+    def __init__(self, name: str, url: str, timeout_s: float = 120.0, api_key: str = ""):
+        self.name, self.url, self.timeout_s, self.api_key = name, url, timeout_s, api_key
         self._http: httpx.AsyncClient | None = None
         self._loop = None
 
     def __reduce__(self):
-        return EngineClient, (self.name, self.url, self.timeout_s)
+        return EngineClient, (self.name, self.url, self.timeout_s, self.api_key)
 
     def _client(self) -> httpx.AsyncClient:
         loop = asyncio.get_running_loop()
@@ -233,14 +260,17 @@ class EngineClient:
             # keep idle connections for less time than the server does (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, set to
             # 60 s in EngineServer.env): reusing one the server is closing fails as a ReadError
             limits = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=30.0)
+            base, uds = _endpoint(self.url)
+            auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
             # trust_env=False: loopback traffic must never go through an HTTP(S)_PROXY from the environment
-            self._http = httpx.AsyncClient(timeout=self.timeout_s, limits=limits, trust_env=False)
+            self._http = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=uds, limits=limits), base_url=base,
+                                           timeout=self.timeout_s, headers=auth, trust_env=False)
             self._loop = loop
         return self._http
 
     async def _call(self, method: str, path: str, **kw) -> dict:
         try:
-            r = await self._client().request(method, self.url + path, **kw)
+            r = await self._client().request(method, path, **kw)
         except httpx.TransportError as e:  # refused, reset, timed out
             raise EngineDied(self.name, f"{method} {path}: {e!r}") from e
         if r.status_code >= 500:

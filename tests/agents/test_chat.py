@@ -72,7 +72,7 @@ def run(loop, coro, timeout=300):
 
 @pytest.fixture(scope="module")
 def client(engine):
-    return EngineClient(engine.name, engine.url, timeout_s=120.0)
+    return engine.client(120.0)
 
 
 @pytest.fixture(scope="module")

@@ -122,7 +122,7 @@ class TurnsEnv:
 @pytest.fixture(scope="module")
 def router(model_dir, tmp_path_factory):
     with launch_engines(EngineConfig(), model_dir, tmp_path_factory.mktemp("logs")) as servers:
-        yield Router([EngineClient(s.name, s.url, 60.0) for s in servers])
+        yield Router([s.client(60.0) for s in servers])
 
 
 def recording(router):

@@ -76,7 +76,7 @@ def vl_dir(tmp_path_factory):
 def router(vl_dir, tmp_path_factory):
     cfg = EngineConfig(startup_timeout_s=600.0, extra_args=["--limit-mm-per-prompt", '{"image": 2}'])
     with launch_engines(cfg, vl_dir, tmp_path_factory.mktemp("logs")) as servers:
-        yield Router([EngineClient(s.name, s.url, 120.0) for s in servers])
+        yield Router([s.client(120.0) for s in servers])
 
 
 @pytest.fixture(scope="module")

@@ -2,14 +2,18 @@
 weight sync by reload, engine death and process cleanup."""
 import asyncio
 import copy
+import ipaddress
 import os
 import pickle
 import signal
+import stat
 import statistics
 import subprocess
 import sys
 import time
 
+import httpx
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -51,7 +55,7 @@ def test_server_cmd_passes_flags_through(tmp_path):
 def test_generate_matches_transformers(engine, hf_model):
     """Behaviour log-probs are those of the distribution sampled from (temperature applied)."""
     async def main():
-        c = EngineClient(engine.name, engine.url)
+        c = engine.client()
         outs = {t: await c.generate(PROMPT, max_tokens=24, temperature=t) for t in (1.0, 0.7)}
         lat = []
         for _ in range(5):
@@ -85,7 +89,7 @@ def test_weight_sync_reload(engine, hf_model, tmp_path):
     assert max_diff(old, new) > 0.05
 
     async def main():
-        c = EngineClient(engine.name, engine.url)
+        c = engine.client()
         assert max_diff(await c.prompt_logprobs(PROBE), old) < 1e-4
         inflight = asyncio.create_task(c.generate(PROMPT, max_tokens=400))
         await asyncio.sleep(0.05)
@@ -98,7 +102,7 @@ def test_weight_sync_reload(engine, hf_model, tmp_path):
             await verify_sync(c, PROBE, old, tol=1e-4)
         out = await c.generate(PROMPT, max_tokens=16)
         await c.aclose()
-        return diff, out, await EngineClient(engine.name, engine.url).version()
+        return diff, out, await engine.client().version()
 
     diff, out, version = run(main())
     assert diff < 1e-4 and version == 1 and out.version == 1
@@ -122,7 +126,7 @@ def test_weight_sync_reload_moe_experts(tmp_path_factory, tmp_path):
     assert experts
 
     async def main(server):
-        c = EngineClient(server.name, server.url)
+        c = server.client()
         diffs, old = [], expected()
         assert max_diff(await c.prompt_logprobs(PROBE), old) < 1e-4
         for version in (1, 2):
@@ -152,8 +156,8 @@ def test_write_checkpoint_unties_the_head(tmp_path):
 
 
 def test_pickling_keeps_names():
-    c = pickle.loads(pickle.dumps(EngineClient("engine3", "http://127.0.0.1:1", 7.0)))
-    assert (c.name, c.url, c.timeout_s) == ("engine3", "http://127.0.0.1:1", 7.0)
+    c = pickle.loads(pickle.dumps(EngineClient("engine3", "http://127.0.0.1:1", 7.0, "k")))
+    assert (c.name, c.url, c.timeout_s, c.api_key) == ("engine3", "http://127.0.0.1:1", 7.0, "k")
     e = pickle.loads(pickle.dumps(EngineDied("engine3", "gone")))
     assert (e.name, e.detail) == ("engine3", "gone") and "engine3" in str(e)
 
@@ -170,7 +174,7 @@ def test_killed_engine_and_interrupt_leave_nothing(tiny_dir, tmp_path):
     with pytest.raises(KeyboardInterrupt):
         with launch_engines(engine_cfg(), tiny_dir, tmp_path) as servers:
             s = servers[0]
-            pgid, c = s.proc.pid, EngineClient(s.name, s.url)
+            pgid, c = s.proc.pid, s.client()
             assert len(run(c.generate(PROMPT, max_tokens=4)).token_ids) == 4
             os.kill(s.proc.pid, signal.SIGKILL)
             with pytest.raises(EngineDied, match="engine0"):
@@ -207,3 +211,20 @@ def test_engines_die_with_their_parent(tiny_dir, tmp_path):
     assert group_pids(pgid) == []
     with pytest.raises(EngineDied, match="engine0"):
         run(EngineClient("engine0", url, 5.0).generate(PROMPT, max_tokens=4))
+
+
+def test_engine_is_reachable_only_by_this_user(engine):
+    """Issue 11 item 4: vLLM's API key guards only /v1, /v2, /inference and /cohere, so the engine listens on a Unix
+    socket in a 0700 directory (the dev routes /pause, /collective_rpc, /update_weight_version stay out of other
+    users' reach); generation needs the run's key, which is not on the command line; no TCP listener at all."""
+    path = engine.url.removeprefix("unix:")
+    assert engine.url.startswith("unix:") and stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+    body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 1}}
+    with httpx.Client(transport=httpx.HTTPTransport(uds=path), base_url="http://engine", trust_env=False) as http:
+        assert http.post("/inference/v1/generate", json=body).status_code == 401
+        assert http.post("/inference/v1/generate", json=body, headers={"Authorization": "Bearer no"}).status_code == 401
+        assert http.get("/v1/models", headers={"Authorization": f"Bearer {engine.api_key}"}).status_code == 200
+    procs = [psutil.Process(pid) for pid in group_pids(engine.proc.pid)]
+    listening = [c.laddr for p in procs for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN]
+    assert all(ipaddress.ip_address(a.ip.removeprefix("::ffff:")).is_loopback for a in listening), listening
+    assert not any(engine.api_key in " ".join(p.cmdline()) for p in procs)

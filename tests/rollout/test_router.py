@@ -13,7 +13,8 @@ PROMPT = [1, 17, 42, 99, 7]
 
 def test_least_loaded_then_sticky(engine):
     async def main():
-        router = Router([EngineClient("a", engine.url), EngineClient("b", engine.url)])
+        key = engine.api_key
+        router = Router([EngineClient("a", engine.url, api_key=key), EngineClient("b", engine.url, api_key=key)])
 
         def start(rollout_id, n=64):
             return asyncio.create_task(router.generate(rollout_id, PROMPT, n, temperature=1.0))
@@ -53,7 +54,7 @@ def test_dead_engine_frees_its_slot():
 
 def test_identical_requests_in_one_tick_share_one_engine_request(engine):
     async def main():
-        client = EngineClient("a", engine.url)
+        client = EngineClient("a", engine.url, api_key=engine.api_key)
         calls = []
         real = client.generate_n
 
