@@ -1,57 +1,197 @@
-"""Checkpoints: actor (policy and trainable helpers, each model + optimizer), step, data position and RNG state.
+"""Checkpoints that reshard: torch.distributed.checkpoint (DCP) in safetensors, plain JSON for everything else.
 
-Written atomically (temp file, then rename), so a crash mid-save leaves the previous one intact.
+    checkpoint_dir/step_0000004/
+        state.json             step, data position, layout, the driver's RNG (JSON: nothing in it can run)
+        policy/, critic/       model + AdamW state of each trained model, every rank writing its own shards in
+                               parallel (DCP's Hugging Face safetensors storage, sharding offsets in the headers)
+        rng/rank_<r>.json      each actor rank's torch / numpy / python RNG
+        hf/                    config and tokenizer files of the base model (for `export`)
+
+Tensors are saved under their global shapes (expert weights too: see `global_view`), so a checkpoint written by one
+layout (dp2) resumes in another (dp1, ep2). Atomic: written to `.step_N.tmp` and renamed once complete, so a crash
+mid-save leaves the previous checkpoint as the latest; the last `keep` are kept. Nothing is unpickled on load: the
+safetensors reader takes its metadata from the JSON headers, and DCP's pickled `.metadata` file is never written.
+
+    python -m molt.checkpoint export CKPT OUT     # a Hugging Face directory (safetensors, config, tokenizer)
 """
 from __future__ import annotations
 
+import json
 import os
 import random
+import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_optimizer_state_dict)
+from torch.distributed.tensor import DTensor, Shard
+
+STATE = "state.json"
 
 
-def save(ckpt_dir: str, step: int, actor_state: dict, data_position: int, keep: int = 2) -> Path:
+# ---- the driver's side: directories, atomicity, plain state ------------------------------------------------------
+
+def save(ckpt_dir: str, step: int, actor, data_position: int, model_dir: str | Path, keep: int = 2) -> Path:
+    """Write step `step` of `actor` (an Actor or ActorGroup: every rank writes its own shards) atomically. Called by
+    the driver, or (torchrun, no driver) by every rank: rank 0 then does the directory work."""
     d = Path(ckpt_dir)
-    d.mkdir(parents=True, exist_ok=True)
-    state = {"step": step, "actor": actor_state, "data_position": data_position,
-             "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}}
-    path = d / f"step_{step:07d}.pt"
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-    for old in sorted(d.glob("step_*.pt"))[:-keep]:
-        old.unlink()
-    return path
+    final, tmp = d / f"step_{step:07d}", d / f".step_{step:07d}.tmp"
+    lead = not dist.is_initialized() or dist.get_rank() == 0
+    if lead:
+        shutil.rmtree(tmp, ignore_errors=True)  # a crashed save of the same step
+        tmp.mkdir(parents=True)
+    _barrier()
+    actor.save(str(tmp))
+    if lead:
+        shutil.copytree(model_dir, tmp / "hf", ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+        state = {"step": step, "data_position": data_position, "layout": list(actor.layout),
+                 "rng": rng_state()}
+        _write_json(tmp / STATE, state)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in complete(d)[:-keep]:
+            shutil.rmtree(old)
+    _barrier()
+    return final
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def complete(ckpt_dir: str | Path) -> list[Path]:
+    return sorted(p for p in Path(ckpt_dir).glob("step_*") if (p / STATE).is_file())
 
 
 def latest(ckpt_dir: str) -> Path | None:
-    found = sorted(Path(ckpt_dir).glob("step_*.pt"))
+    found = complete(ckpt_dir)
     return found[-1] if found else None
 
 
-def load(path: Path) -> dict:
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    torch.set_rng_state(state["rng"]["torch"])
-    np.random.set_state(state["rng"]["numpy"])
-    random.setstate(state["rng"]["python"])
+def load(path: str | Path, actor) -> dict:
+    """Restore `actor` (any layout) and the driver's RNG from a checkpoint directory; returns its state.json."""
+    path = Path(path)
+    if not (path / STATE).is_file():
+        raise ValueError(f"{path} is not a molt checkpoint directory (no {STATE}); files such as pickled .pt "
+                         "checkpoints are never loaded, since loading them can run code")
+    state = json.loads((path / STATE).read_text())
+    actor.load(str(path))
+    set_rng_state(state["rng"])
     return state
 
 
-def export_hf(path: str | Path, base_model_dir: str | Path, out_dir: str | Path) -> Path:
-    """Write a checkpoint's actor as a Hugging Face directory (config and tokenizer from the run's base model),
-    e.g. to serve as the teacher of estimator=opd:  python -m molt.checkpoint CKPT BASE_MODEL_DIR OUT_DIR"""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _write_json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj))
 
-    model = AutoModelForCausalLM.from_pretrained(str(base_model_dir), dtype=torch.float32)
-    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=False)["actor"]["policy"]["model"])
+
+def rng_state() -> dict:
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"torch": torch.get_rng_state().tolist(), "python": [random.getstate()[0], list(random.getstate()[1]), None],
+            "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]}
+
+
+def set_rng_state(s: dict) -> None:
+    torch.set_rng_state(torch.tensor(s["torch"], dtype=torch.uint8))
+    random.setstate((s["python"][0], tuple(s["python"][1]), None))
+    kind, keys, pos, has_gauss, gauss = s["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+
+
+# ---- every rank's side: DCP -----------------------------------------------------------------------------------
+
+def global_view(model, state: dict, mesh) -> dict:
+    """The state with expert-parallel tensors as DTensors of their global shape over the whole (dp, ep, cp) mesh.
+
+    Under fsdp.ep_size > 1 an expert weight (and its AdamW moments) is FSDP's DTensor of the rank's E/ep experts,
+    sharded on dim 1 over the flattened (dp, cp) mesh. Seen from the 3-D mesh that is Shard(0) over ep and dim 1
+    sharded by dp, then within it by cp: the same local block, now with global offsets, so DCP can reshard it into
+    another ep size. Views only (from_local shares storage): loading into the view loads the parameter."""
+    if mesh is None or mesh["ep"].size() == 1:
+        return state
+    owners = {f"{prefix}.{n}" for prefix, m in model.named_modules() if getattr(m, "ep_rank", None) is not None
+              for n in ("gate_up_proj", "down_proj")}
+    ep, shards = mesh["ep"].size(), mesh["dp"].size() * mesh["cp"].size()
+
+    def view(key: str, t):
+        if not (isinstance(t, DTensor) and key in owners):
+            return t
+        if t.shape[1] % shards:
+            raise ValueError(f"{key}: dim 1 ({t.shape[1]}) must divide over dp x cp = {shards} for resharding")
+        shape = (t.shape[0] * ep, *t.shape[1:])
+        return DTensor.from_local(t.to_local(), mesh, [Shard(1), Shard(0), Shard(1)], run_check=False,
+                                  shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+
+    return {k: ({s: view(k, v) for s, v in t.items()} if isinstance(t, dict) else view(k, t)) for k, t in state.items()}
+
+
+def _payload(model, optimizer, mesh) -> tuple[dict, dict]:
+    model_sd = get_model_state_dict(model)
+    optim_sd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=False))
+    return {"model": global_view(model, model_sd, mesh), "optim": global_view(model, optim_sd["state"], mesh)}, optim_sd
+
+
+def save_models(trained: dict, out_dir: str, mesh) -> None:
+    """Collective: each trained model (name -> (model, optimizer)) under out_dir/name, plus this rank's RNG."""
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for name, (model, optimizer) in trained.items():
+        payload, _ = _payload(model, optimizer, mesh)
+        dcp.save(payload, storage_writer=HuggingFaceStorageWriter(f"{out_dir}/{name}", save_distributed=True))
+    _write_json(Path(out_dir) / "rng" / f"rank_{rank}.json", rng_state())
+
+
+def load_models(trained: dict, in_dir: str, mesh) -> None:
+    """Collective: restore each trained model and its optimizer from in_dir/name, whatever layout wrote it."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    missing = [n for n in trained if not Path(in_dir, n).is_dir()]
+    if missing:
+        raise ValueError(f"the checkpoint holds no state for {missing}: it was written by a run with other helper "
+                         "models (estimator / train.kl_coef) than this one")
+    for name, (model, optimizer) in trained.items():
+        payload, optim_sd = _payload(model, optimizer, mesh)  # views of the live tensors: loaded in place
+        reader = HuggingFaceStorageReader(f"{in_dir}/{name}")
+        saved = reader.read_metadata().state_dict_metadata
+        for fqn in [f for f in optim_sd["state"] if f"optim.{f}.step" not in saved]:  # never stepped (no gradient)
+            optim_sd["state"].pop(fqn), payload["optim"].pop(fqn, None)  # (one dict when no view was needed)
+        dcp.load(payload, storage_reader=reader)
+        set_optimizer_state_dict(model, optimizer, optim_sd,  # strict=False: the never-stepped ones stay stateless
+                                 options=StateDictOptions(flatten_optimizer_state_dict=False, strict=False))
+    rng = Path(in_dir) / "rng" / f"rank_{dist.get_rank() if dist.is_initialized() else 0}.json"
+    if rng.is_file():  # a rank the writing layout did not have starts from its fresh RNG
+        set_rng_state(json.loads(rng.read_text()))
+
+
+def export_hf(ckpt: str | Path, out_dir: str | Path) -> Path:
+    """The checkpoint's policy as a Hugging Face directory (safetensors under the architecture's checkpoint names,
+    config, tokenizer), e.g. to serve with vLLM or as the teacher of estimator=opd. Runs in one process."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from transformers import AutoConfig
+
+    from molt.actor.loading import empty_on, meta_model
+
+    ckpt = Path(ckpt)
+    config = AutoConfig.from_pretrained(str(ckpt / "hf"))
+    model = empty_on(meta_model(ckpt / "hf", getattr(torch, str(config.dtype).removeprefix("torch."))), "cpu")
+    state = get_model_state_dict(model)
+    dcp.load({"model": state}, storage_reader=HuggingFaceStorageReader(str(ckpt / "policy")), no_dist=True)
+    model.load_state_dict(state)
     model.save_pretrained(str(out_dir))
-    AutoTokenizer.from_pretrained(str(base_model_dir)).save_pretrained(str(out_dir))
+    for f in (ckpt / "hf").iterdir():
+        if not (Path(out_dir) / f.name).exists():
+            shutil.copy(f, Path(out_dir) / f.name)
     return Path(out_dir)
 
 
 if __name__ == "__main__":
-    import sys
-
-    print(export_hf(*sys.argv[1:4]))
+    if len(sys.argv) != 4 or sys.argv[1] != "export":
+        raise SystemExit("usage: python -m molt.checkpoint export CKPT_DIR OUT_DIR")
+    print(export_hf(sys.argv[2], sys.argv[3]))

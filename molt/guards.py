@@ -239,8 +239,8 @@ def sync_path(cfg, hf):
     if cfg.engine.sync not in SYNC_PATHS:
         return f"engine.sync={cfg.engine.sync!r} is unknown: use one of {sorted(SYNC_PATHS)}"
     if cfg.engine.sync == "nccl" and not cfg.dry_run:
-        return ("engine.sync=nccl (NCCL broadcast to GPU engines) is not built yet: use engine.sync=reload "
-                "(dry_run=true still plans it)")
+        return ("engine.sync=nccl (NCCL broadcast to CUDA vLLM engines, molt/rollout/nccl.py) is not wired into the "
+                "loop yet: use engine.sync=reload (dry_run=true still plans it)")
     if cfg.engine.probe_tol <= 0:
         return f"engine.probe_tol={cfg.engine.probe_tol}: the sync probe's tolerance must be > 0"
 

@@ -72,7 +72,7 @@ def train(cfg, model_dir: Path, engines, stop: threading.Event) -> None:
         with clock("wait"):
             groups, counts = collect(lambda: next_item(queue, engines, stop), cfg, version, refund=worker.grant.remote)
         if groups is None:  # Ctrl-C: stop between two steps, where the state is consistent
-            raise Interrupted(step, checkpoint.save(cfg.checkpoint_dir, step, actor.state_dict(), position)
+            raise Interrupted(step, checkpoint.save(cfg.checkpoint_dir, step, actor, position, model_dir)
                               if step else None, cfg.checkpoint_dir)
         position += counts["groups"]
         with clock("train"):
@@ -89,7 +89,7 @@ def train(cfg, model_dir: Path, engines, stop: threading.Event) -> None:
         metrics["throughput/tokens_per_s"] = metrics["rollout/gen_tokens"] / metrics["time/step"]
         tracking.log_metrics(metrics, step)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step']:.2f}")
-        maybe_save(cfg, actor, position, step)  # after the log: a kill in between repeats a step, never loses one
+        maybe_save(cfg, actor, position, step, model_dir)  # after the log: a kill in between repeats a step, never loses one
     aio.run_until_complete(close_all(clients))
 
 
@@ -314,12 +314,12 @@ def maybe_eval(cfg, worker, step: int) -> dict:
     return out | {"time/eval": time.time() - t0}
 
 
-def maybe_save(cfg, actor, position: int, step: int) -> None:
+def maybe_save(cfg, actor, position: int, step: int, model_dir) -> None:
     """`position`: groups consumed so far (trained or dropped); those still in flight are generated again on resume,
     so with max_lag=0 a resumed run trains exactly the groups an uninterrupted one would."""
     done = step + 1
     if done == cfg.train.steps or (cfg.train.save_every and done % cfg.train.save_every == 0):
-        checkpoint.save(cfg.checkpoint_dir, done, actor.state_dict(), position)
+        checkpoint.save(cfg.checkpoint_dir, done, actor, position, model_dir)
 
 
 def restore(cfg, actor) -> tuple[int, int]:
@@ -329,9 +329,8 @@ def restore(cfg, actor) -> tuple[int, int]:
     path = checkpoint.latest(cfg.checkpoint_dir)
     if path is None:
         raise FileNotFoundError(f"resume=true but no checkpoint in {cfg.checkpoint_dir} (set checkpoint_dir)")
-    state = checkpoint.load(path)
+    state = checkpoint.load(path, actor)  # any fsdp layout: the checkpoint reshards
     log.info("resume=true: continuing from %s (step %d, data position %d)", path, state["step"], state["data_position"])
-    actor.load_state_dict(state["actor"])
     return state["step"], state["data_position"]
 
 

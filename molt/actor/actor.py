@@ -20,6 +20,7 @@ from molt.actor import attention, context, loading, parallel, speed, vision
 from molt.actor import replay as replay_mod
 from molt.actor.pack import NO_TARGET, align_next, cp_slice, micro_batches, pack, to_device, unalign
 from molt.algo.loss import Objective, combine
+from molt.checkpoint import load_models, save_models
 from molt.types import Batch, Segment
 
 if TYPE_CHECKING:
@@ -288,23 +289,16 @@ class Actor:
         return {"policy": (self.model, self.optimizer)} | {
             n: (h.model, h.optimizer) for n, h in self.helpers.items() if hasattr(h, "optimizer")}
 
-    def state_dict(self) -> dict:
-        """The whole state on one rank (policy and trainable helpers); with a mesh, this rank's shards (restored
-        only into the same layout)."""
-        trained = self._trained()
-        if self.mesh is not None:
-            return {n: parallel.local_state(m, o) for n, (m, o) in trained.items()}
-        return {n: {"model": m.state_dict(), "optimizer": o.state_dict()} for n, (m, o) in trained.items()}
+    @property
+    def layout(self) -> tuple[int, int, int]:
+        f = self.fsdp
+        return (f.dp_size, f.ep_size, f.cp_size) if f is not None and self.mesh is not None else (1, 1, 1)
 
-    def load_state_dict(self, state: dict) -> None:
-        trained = self._trained()
-        missing = set(trained) - set(state)
-        if missing:
-            raise ValueError(f"the checkpoint holds no state for {sorted(missing)}: it was written by a run with "
-                             f"other helper models (estimator / train.kl_coef) than this one")
-        for n, (model, optimizer) in trained.items():
-            if self.mesh is not None:
-                parallel.load_local_state(model, optimizer, state[n])
-            else:
-                model.load_state_dict(state[n]["model"])
-                optimizer.load_state_dict(state[n]["optimizer"])
+    def save(self, path: str) -> None:
+        """Write the policy and trainable helpers (model + optimizer) under path (molt/checkpoint.py); with a mesh a
+        collective, every rank writing its own shards."""
+        save_models(self._trained(), path, self.mesh)
+
+    def load(self, path: str) -> None:
+        """Restore from a checkpoint written by any layout (a collective with a mesh)."""
+        load_models(self._trained(), path, self.mesh)

@@ -77,13 +77,6 @@ class Rank:
         out = getattr(self.actor, method)(*args)
         return out if self.rank == 0 else None  # the answers agree; only rank 0's travels back
 
-    def actor_state(self) -> dict:
-        return self.actor.state_dict()
-
-    def load(self, state: dict) -> None:
-        self.actor.load_state_dict(state)
-
-
 class ActorGroup:
     """The loop's actor when fsdp.dp_size * ep_size * cp_size > 1: the same methods as Actor, run on every rank."""
 
@@ -116,16 +109,10 @@ class ActorGroup:
     def export_weights(self) -> dict[str, torch.Tensor]:
         return self._all("export_weights")
 
-    def state_dict(self) -> dict:
-        """Every rank's shards; resume needs the same layout (checked in load_state_dict)."""
-        import ray
+    def save(self, path: str) -> None:
+        """Every rank writes its own shards, in parallel (molt/checkpoint.py)."""
+        self._all("save", path)
 
-        return {"layout": self.layout, "ranks": ray.get([r.actor_state.remote() for r in self.ranks])}
-
-    def load_state_dict(self, state: dict) -> None:
-        import ray
-
-        if tuple(state.get("layout", ())) != self.layout:
-            raise ValueError(f"the checkpoint was written by fsdp layout (dp, ep, cp) = {state.get('layout')}, this run "
-                             f"is {self.layout}: resume with the same fsdp.dp_size/ep_size/cp_size")
-        ray.get([r.load.remote(s) for r, s in zip(self.ranks, state["ranks"])])
+    def load(self, path: str) -> None:
+        """Restore from a checkpoint written by any layout."""
+        self._all("load", path)

@@ -101,21 +101,30 @@ def local_region(model, name: str, p: torch.Tensor) -> tuple[torch.Tensor, tuple
 
 
 @torch.no_grad()
+def empty_on(model, device):
+    """Uninitialised parameter storage on `device` for a meta_model, its (computed) buffers kept."""
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    model.to_empty(device=device)
+    for n, b in model.named_buffers():
+        b.copy_(buffers[n])
+    return model
+
+
+@torch.no_grad()
 def materialize(model, model_dir: str | Path, device, fresh: tuple[str, ...] = ()) -> None:
     """Allocate this rank's shards on `device` and fill them from the safetensors of `model_dir`; parameters under
     a `fresh` prefix (modules added to the architecture, e.g. a value head) start at zero."""
-    buffers = {n: b.clone() for n, b in model.named_buffers()}  # real since meta_model; to_empty wipes them
-    model.to_empty(device=device)
+    model = empty_on(model, device)
     ckpt = SafetensorsDir(model_dir, model)
     missing = []
     for name, p in [*model.named_parameters(), *model.named_buffers()]:  # deduplicated: a tied head is the embedding
         local, region = local_region(model, name, p)
-        if name.startswith(fresh) if fresh else False:
+        if name.startswith(fresh):
             local.zero_()
         elif name in ckpt:
             local.copy_(ckpt.read(name, region))
-        elif name in buffers:
-            local.copy_(buffers[name])
+        elif not isinstance(p, torch.nn.Parameter):
+            pass  # a buffer no checkpoint holds (rotary tables): kept as the model computed it
         else:
             missing.append(name)
     if missing:

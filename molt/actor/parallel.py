@@ -180,17 +180,19 @@ def sum_gradients(module) -> None:
 
 # ---- full tensors and norms -----------------------------------------------------------------------------------
 
-def full_tensors(model, grads: bool = False, head: bool = False) -> dict[str, torch.Tensor]:
-    """Unsharded CPU fp32 copies of the state dict (or every parameter's gradient) under HF names; with a mesh a
-    collective (every rank calls it, in the same order), without one a plain copy. Expert weights are concatenated back over the ep axis. head=True adds
-    `lm_head.weight` when tied embeddings leave it out of the state dict (engines reloading weights need it)."""
+def full_tensors(model, grads: bool = False, head: bool = False, only: set[str] | None = None,
+                 dtype: torch.dtype = torch.float32, device="cpu") -> dict[str, torch.Tensor]:
+    """Unsharded copies (CPU fp32 by default) of the state dict (or every parameter's gradient), `only` these names
+    if given; with a mesh a collective (every rank calls it, in the same order), without one a plain copy. Expert
+    weights are concatenated back over the ep axis. head=True adds `lm_head.weight` when tied embeddings leave it
+    out of the state dict (engines reloading weights need it)."""
     owners = {f"{prefix}.{n}": m for prefix, m in model.named_modules() if hasattr(m, "ep_group")
               for n in ("gate_up_proj", "down_proj")}
     out = {}
     items = model.named_parameters() if grads else model.state_dict().items()
     for name, p in items:
         t = p.grad if grads else p
-        if t is None:
+        if t is None or (only is not None and name not in only):
             continue
         t = t.full_tensor() if isinstance(t, DTensor) else t
         if name in owners:
@@ -198,7 +200,7 @@ def full_tensors(model, grads: bool = False, head: bool = False) -> dict[str, to
             parts = [torch.empty_like(t) for _ in range(group.size())]
             dist.all_gather(parts, t.contiguous(), group=group)
             t = torch.cat(parts)
-        out[name] = t.detach().to("cpu", torch.float32, copy=True).contiguous()
+        out[name] = t.detach().to(device, dtype, copy=True).contiguous()
     if head and "lm_head.weight" not in out and model.get_output_embeddings() is not None:
         tied = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
         out["lm_head.weight"] = out[f"{tied}.weight"]
@@ -253,38 +255,3 @@ def reduce_metrics(totals: dict[str, torch.Tensor], device) -> dict[str, torch.T
             dist.all_reduce(v, op=op)
             out |= dict(zip(ks, v.cpu()))
     return out
-
-
-# ---- checkpoints: each rank keeps its own shards (resume needs the same layout) -------------------------------
-
-def _local(x):
-    if isinstance(x, DTensor):
-        return x.to_local().detach().cpu().clone()
-    if isinstance(x, dict):
-        return {k: _local(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(_local(v) for v in x)
-    return x.detach().cpu().clone() if isinstance(x, torch.Tensor) else x
-
-
-def _like(local: torch.Tensor, ref):
-    """A saved local shard back as a tensor shaped like `ref` (a DTensor parameter or state)."""
-    if not isinstance(ref, DTensor):
-        return local.to(ref.device)
-    return DTensor.from_local(local.to(ref.to_local().device), ref.device_mesh, ref.placements, shape=ref.shape,
-                              stride=ref.stride())
-
-
-def local_state(model, optimizer) -> dict:
-    """This rank's shards of the model and optimizer state, as plain CPU tensors (picklable, no process groups)."""
-    return {"model": _local(model.state_dict()), "optimizer": _local(optimizer.state_dict())}
-
-
-def load_local_state(model, optimizer, state: dict) -> None:
-    current = model.state_dict()
-    model.load_state_dict({k: _like(v, current[k]) for k, v in state["model"].items()})
-    params = [p for g in optimizer.param_groups for p in g["params"]]  # optimizer state is keyed by this order
-    opt = state["optimizer"]
-    opt = dict(opt, state={i: {k: _like(v, params[i]) if isinstance(v, torch.Tensor) and v.ndim else v
-                               for k, v in s.items()} for i, s in opt["state"].items()})
-    optimizer.load_state_dict(opt)

@@ -70,6 +70,8 @@ def server_cmd(cfg: EngineConfig, model_dir: str | Path, port: int, uds: str = "
     cmd += [flag for flag, on in flags.items() if on]
     if cfg.speculative_config:
         cmd += ["--speculative-config", cfg.speculative_config]
+    if cfg.sync == "nccl":  # the workers join actor rank 0's NCCL group on /init_weight_transfer_engine (nccl.py)
+        cmd += ["--weight-transfer-config", '{"backend": "nccl"}']
     if cfg.tensor_parallel_size > 1:
         cmd += ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
     if cfg.data_parallel_size > 1:

