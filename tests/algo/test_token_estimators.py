@@ -110,5 +110,6 @@ def test_checkpoint_keeps_the_critic_and_exports_a_teacher(model_dir, tmp_path):
     with pytest.raises(ValueError, match="holds no state for \\['critic'\\]"):
         restore(cfg, other)
     teacher = load_model(checkpoint.export_hf(path, tmp_path / "teacher"), "float32", "sdpa", "cpu")
-    assert logprobs_of(teacher, segs, cfg.train) == actor.logprobs(segs)
+    for a, b in zip(logprobs_of(teacher, segs, cfg.train), actor.logprobs(segs)):  # sdpa vs the actor's attention
+        assert a == pytest.approx(b, abs=1e-5)
     assert guards.tokenizer_mismatch(model_dir, tmp_path / "teacher") is None
