@@ -143,7 +143,7 @@ def test_export_is_served_by_vllm(resharded, tmp_path):
     import asyncio
 
     from molt.config import EngineConfig
-    from molt.rollout.engine import EngineClient, launch_engines
+    from molt.rollout.engine import launch_engines
     from molt.types import Segment
 
     models, ckpts, _ = resharded
@@ -153,13 +153,13 @@ def test_export_is_served_by_vllm(resharded, tmp_path):
     probe = [1, 5, 88, 300, 12, 45, 45, 200, 9, 2, 130, 77]
     expected = actor.logprobs([Segment(probe, [0] * len(probe), [0.0] * len(probe), [-1] * len(probe))])[0][1:]
 
-    async def served(url):
-        client = EngineClient("export", url)
+    async def served(server):
+        client = server.client()
         try:
             return await client.prompt_logprobs(probe)
         finally:
             await client.aclose()
 
     with launch_engines(EngineConfig(startup_timeout_s=600.0), out, tmp_path / "logs") as servers:
-        got = asyncio.run(served(servers[0].url))
+        got = asyncio.run(served(servers[0]))
     assert max(abs(a - b) for a, b in zip(got, expected)) <= 1e-4

@@ -90,8 +90,9 @@ class Buckets(WeightSource):
 class Engines:
     """vLLM's weight-sync client protocol over several servers: one NCCL group, engine i at its own rank offset."""
 
-    def __init__(self, urls: list[str], timeout_s: float = 600.0):
+    def __init__(self, urls: list[str], timeout_s: float = 600.0, api_key: str = ""):
         self.urls, self.timeout = urls, timeout_s
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.sizes = [int(self._call("GET", u, "get_world_size")["world_size"]) for u in urls]
 
     @property
@@ -99,7 +100,7 @@ class Engines:
         return 1 + sum(self.sizes)
 
     def _call(self, method: str, url: str, path: str, body: dict | None = None) -> dict:
-        r = httpx.request(method, f"{url}/{path}", json=body, timeout=self.timeout)
+        r = httpx.request(method, f"{url}/{path}", json=body, timeout=self.timeout, headers=self.headers)
         if r.status_code != 200:
             raise RuntimeError(f"{url}/{path}: HTTP {r.status_code}: {r.text[:500]}")
         return r.json()

