@@ -65,7 +65,8 @@ def fail(msg: str) -> None:
     sys.exit(2)
 
 
-def task(cfg: DictConfig) -> None:
+def validate(cfg: DictConfig) -> None:
+    """Resolve the run in place and run the guard rails; a failure is one line and exit 2 (see fail)."""
     try:
         OmegaConf.to_container(cfg, resolve=True)  # unlike resolve(), its errors name the failing key
         OmegaConf.resolve(cfg)
@@ -74,9 +75,14 @@ def task(cfg: DictConfig) -> None:
         fail(str(e))
     except OmegaConfBaseException as e:  # e.g. an interpolation to a missing key or env variable
         fail(f"{e.full_key}: {str(e.msg).splitlines()[0]}")
+
+
+def task(cfg: DictConfig) -> None:
+    validate(cfg)
     if cfg.dry_run:
         print(plan(cfg))
         return
+    from molt.cluster import allocation
     from molt.loop import Interrupted, run  # heavy imports (torch, vllm, ray) only for a real run
     from molt.rollout.engine import EngineDied
 
@@ -84,7 +90,9 @@ def task(cfg: DictConfig) -> None:
     # engines included, even while they are still starting
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
-        run(cfg)
+        with allocation(cfg) as runs_the_loop:  # on Slurm: Ray on every task, the loop on task 0
+            if runs_the_loop:
+                run(cfg)
     except EngineDied as e:  # everything is shut down by now; the last checkpoint is intact
         print(f"molt: {e} (engine log under {cfg.output_dir}/engines/; resume=true continues from "
               f"the last checkpoint)", file=sys.stderr)

@@ -155,10 +155,30 @@ class EvalConfig:
 
 @dataclass
 class ClusterConfig:
+    """Where the run executes. launcher=slurm submits it through submitit (molt/cluster.py); the Slurm keys are
+    ignored locally. Empty strings and 0 leave a Slurm setting to the cluster's default."""
+
     name: str = "local"
+    launcher: str = "local"  # local: this process | slurm: sbatch through submitit (set by cluster=slurm)
     num_nodes: int = 1
     gpus_per_node: int = 0  # 0 = CPU
     gpu_memory_gib: float = 80.0  # per GPU; the dry-run planner flags a layout that needs more
+    max_gpus_per_node: int = 0  # what the cluster's nodes have; gpus_per_node above it fails before submission
+    tasks_per_node: int = 1  # Slurm tasks per node; each task is one Ray node
+    cpus_per_task: int = 0
+    mem_gb: int = 0  # per node
+    partition: str = ""
+    account: str = ""
+    qos: str = ""
+    constraint: str = ""
+    time_min: int = 60  # the job's time limit
+    max_requeue: int = 3  # times a preempted or timed-out job is requeued (it resumes from its last checkpoint)
+    container_image: str = ""  # run every task in this image (a path or a registry reference)
+    container_srun_args: list[str] = field(default_factory=lambda: ["--container-image={image}"])  # pyxis/enroot
+    setup: list[str] = field(default_factory=list)  # shell lines run in the batch script before srun
+    extra_sbatch: dict[str, Any] = field(default_factory=dict)  # more #SBATCH options, verbatim {"mail-type": "END"}
+    extra_srun: list[str] = field(default_factory=list)  # more srun options, verbatim
+    wait: bool = False  # block until the job ends and fail when it does (tests; a shell that stays open)
 
 
 @dataclass

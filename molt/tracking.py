@@ -2,7 +2,8 @@
 
 One MLflow run per Hydra job: the resolved config as params and as an artifact, metrics every
 step. The default store is a SQLite database under the run's output directory, so a run is
-self-contained: `mlflow ui --backend-store-uri sqlite:///<output_dir>/mlflow.db`.
+self-contained: `mlflow ui --backend-store-uri sqlite:///<output_dir>/mlflow.db`. The jobs of a sweep share
+one under the sweep's directory and carry its tags (molt.sweep, molt.overrides), for `molt-compare`.
 """
 from __future__ import annotations
 
@@ -23,11 +24,30 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def sweep() -> dict:
+    """Under a multirun (local or on Slurm): the sweep's directory, this job's number and its overrides."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return {}
+    hc = HydraConfig.get()
+    return {"molt.sweep": str(Path(hc.sweep.dir).resolve()), "molt.job_num": str(hc.job.num),
+            "molt.overrides": " ".join(hc.overrides.task)}
+
+
+def tracking_uri(cfg) -> str:
+    """cfg.mlflow_uri, else a SQLite database in the run's directory; a sweep's jobs share one in the sweep's."""
+    store = Path(sweep().get("molt.sweep") or cfg.output_dir)
+    return cfg.mlflow_uri or f"sqlite:///{store / 'mlflow.db'}"
+
+
 @contextlib.contextmanager
-def mlflow_run(cfg, extra_params: dict):
-    """Start the run, or with resume=true continue the one its checkpoints came from (`checkpoint_dir/mlflow_run.json`
-    names its store and id). Ctrl-C or SIGTERM marks it KILLED, another exception FAILED; if the driver is SIGKILLed,
-    the reaper (molt/reaper.py, started here) marks it KILLED and stops what the driver left running."""
+def mlflow_run(cfg, extra_params: dict, resume_run: bool = False):
+    """Start the run, or with resume=true (or resume_run: a requeued Slurm job) continue the one its checkpoints
+    came from (`checkpoint_dir/mlflow_run.json` names its store and id). Ctrl-C or SIGTERM marks it KILLED, another exception FAILED; if the driver is SIGKILLed,
+    the reaper (molt/reaper.py, started here) marks it KILLED and stops what the driver left running. A sweep's
+    jobs share one store and carry the sweep's tags; at the end, a summary on the terminal."""
     import mlflow
 
     from molt import reaper
@@ -35,12 +55,13 @@ def mlflow_run(cfg, extra_params: dict):
     logging.getLogger("alembic").setLevel(logging.WARNING)
     out, marker = Path(cfg.output_dir), Path(cfg.checkpoint_dir) / "mlflow_run.json"
     out.mkdir(parents=True, exist_ok=True)
-    previous = json.loads(marker.read_text()) if cfg.resume and marker.exists() else {}
-    uri = previous.get("uri") or cfg.mlflow_uri or f"sqlite:///{out / 'mlflow.db'}"
+    previous = json.loads(marker.read_text()) if (cfg.resume or resume_run) and marker.exists() else {}
+    uri = previous.get("uri") or tracking_uri(cfg)
     mlflow.set_tracking_uri(uri)
     mlflow.set_experiment(cfg.name)
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    with mlflow.start_run(run_id=previous.get("run_id"), run_name=None if previous else out.name) as run:
+    with mlflow.start_run(run_id=previous.get("run_id"), run_name=None if previous else out.name,
+                          tags=None if previous else sweep()) as run:
         if not previous:  # a continued run keeps its first params: MLflow refuses changed values
             params = {**_flatten(resolved), **extra_params}
             items = [(k, str(v)[:6000]) for k, v in params.items()]
@@ -55,6 +76,25 @@ def mlflow_run(cfg, extra_params: dict):
         except (KeyboardInterrupt, SystemExit):
             mlflow.end_run("KILLED")
             raise
+    print(summary(cfg, uri, run.info.run_id))
+
+
+def summary(cfg, uri: str, run_id: str) -> str:
+    """Reward start -> end, eval, steps, wall time, and where the run's records are."""
+    import mlflow
+
+    client = mlflow.MlflowClient(uri)
+    hist = lambda key: sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)  # noqa: E731
+    reward, evals = hist("reward/mean"), hist("eval/reward")
+    info = client.get_run(run_id).info
+    wall = ((info.end_time or info.start_time) - info.start_time) / 1000
+    lines = [f"molt: {cfg.name} done: {len(reward)} steps in {wall:.0f} s"]
+    if reward:
+        lines.append(f"  reward  {reward[0].value:.3f} -> {reward[-1].value:.3f}"
+                     + (f"   eval {evals[-1].value:.3f} (step {evals[-1].step})" if evals else ""))
+    lines += [f"  mlflow  {uri}  (run {run_id})", f"  ckpt    {cfg.checkpoint_dir}",
+              f"  open    mlflow ui --backend-store-uri {uri}"]
+    return "\n".join(lines)
 
 
 def log_metrics(metrics: dict, step: int) -> None:

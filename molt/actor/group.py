@@ -10,7 +10,6 @@ Without Ray (tests, torchrun on the GPU machine), each process calls `init_distr
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
@@ -18,20 +17,15 @@ import torch.distributed as dist
 from molt.actor import helpers
 from molt.actor.actor import Actor
 from molt.actor.parallel import build_mesh
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from molt.cluster import LOOPBACK, free_port, node_address, rank_placement
 
 
 def init_distributed(rank: int | None = None, world_size: int | None = None, port: int | None = None,
-                     gpu: bool | None = None) -> str:
+                     gpu: bool | None = None, addr: str | None = None) -> str:
     """Join the process group (arguments default to torchrun's environment); returns the device ("cpu"/"cuda:i")."""
     rank = int(os.environ["RANK"]) if rank is None else rank
     world_size = int(os.environ["WORLD_SIZE"]) if world_size is None else world_size
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_ADDR"] = addr or os.environ.get("MASTER_ADDR", LOOPBACK)
     if port is not None:
         os.environ["MASTER_PORT"] = str(port)
     gpu = torch.cuda.is_available() if gpu is None else gpu
@@ -68,14 +62,18 @@ def run_actor(cfg, model_dir, device: str = "cpu", mesh: bool = False) -> Actor:
 class Rank:
     """One rank inside a Ray actor: joins the group, builds its Actor, runs whatever method the driver names."""
 
-    def __init__(self, rank: int, world_size: int, port: int, gpu: bool, model_dir: str, cfg):
-        device = init_distributed(rank, world_size, port, gpu)
+    def __init__(self, rank: int, world_size: int, addr: str, port: int, gpu: bool, model_dir: str, cfg):
+        device = init_distributed(rank, world_size, port, gpu, addr)
         self.actor = run_actor(cfg, model_dir, device, mesh=True)
         self.rank = rank
 
     def call(self, method: str, *args):
         out = getattr(self.actor, method)(*args)
         return out if self.rank == 0 else None  # the answers agree; only rank 0's travels back
+
+    def slurm_task(self) -> int | None:
+        return int(os.environ["SLURM_PROCID"]) if "SLURM_PROCID" in os.environ else None
+
 
 class ActorGroup:
     """The loop's actor when fsdp.dp_size * ep_size * cp_size > 1: the same methods as Actor, run on every rank."""
@@ -84,9 +82,14 @@ class ActorGroup:
         import ray
 
         world, gpu = cfg.fsdp.dp_size * cfg.fsdp.ep_size * cfg.fsdp.cp_size, cfg.cluster.gpus_per_node > 0
-        port = free_port()
+        addr = node_address()  # rank 0 runs on this node (cluster.rank_placement) and binds the rendezvous
+        port = free_port(addr)
         remote = ray.remote(num_cpus=0, num_gpus=1 if gpu else 0)(Rank)  # CPU: the ranks share the driver's cores
-        self.ranks = [remote.remote(r, world, port, gpu, str(model_dir), cfg) for r in range(world)]
+        self.ranks = [remote.options(**rank_placement(r, world)).remote(r, world, addr, port, gpu, str(model_dir), cfg)
+                      for r in range(world)]
+        tasks = ray.get([r.slurm_task.remote() for r in self.ranks])
+        if any(tasks):
+            print(f"molt: actor ranks on Slurm tasks {tasks}", flush=True)
         self.layout = (cfg.fsdp.dp_size, cfg.fsdp.ep_size, cfg.fsdp.cp_size)
 
     def _all(self, method: str, *args):

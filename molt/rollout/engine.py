@@ -18,7 +18,6 @@ import os
 import shutil
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import httpx
 import torch
 
 from molt.config import EngineConfig
+from molt.cluster import free_port
 from molt.rollout import routes
 from molt.types import Completion, EngineDied  # noqa: F401 (EngineDied: raised here, imported from here)
 
@@ -43,12 +43,6 @@ _LIBC = ctypes.CDLL(None, use_errno=True)  # resolved here: no dlopen between fo
 
 # ---------------------------------------------------------------------------------------------
 # Server processes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_cmd(cfg: EngineConfig, model_dir: str | Path, port: int, uds: str = "") -> list[str]:

@@ -1,0 +1,242 @@
+"""Where a run executes: the addresses and ports it binds, and Slurm submission through submitit.
+
+    molt cluster=slurm cluster.partition=gpu experiment=quickstart   # one job: its id, log and how to follow it
+    molt -m cluster=slurm estimator=grpo,rloo                        # one array, one MLflow run per element
+    molt cluster=slurm dry_run=true                                  # guard rails, then the sbatch script
+
+Submission is Hydra's submitit launcher (hydra_plugins/molt_slurm) with `launch` below: every job's config is
+composed and checked on the login node, the resources come from `cluster.*` alone, and jobs are followed with
+squeue/scontrol (submitit's own polling needs Slurm accounting, which many clusters and our tests lack).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+LOOPBACK = "127.0.0.1"  # engines, the chat server and torch.distributed bind here on one node
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A port free on `host` now; call it on the node that will bind it."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def requeued() -> bool:
+    """True in a Slurm job that was preempted, timed out or `scontrol requeue`d and now runs again."""
+    return int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0
+
+
+def node_address() -> str:
+    """Where this node's processes are reached from other nodes: its cluster address in a multi-task Slurm job
+    (set by `allocation`), loopback otherwise."""
+    return os.environ.get("MOLT_NODE_ADDR", LOOPBACK)
+
+
+# ---------------------------------------------------------------------------------------------
+# On the allocation: one Ray node per Slurm task
+
+
+@contextlib.contextmanager
+def allocation(cfg):
+    """Yield True where the loop runs. In a Slurm job of several tasks: task 0 starts a Ray head and runs the
+    loop; every other task joins it as a Ray worker and yields False once task 0 is done (or gone). Each task
+    stops its own Ray node (by process group; `ray stop` would stop every Ray on the host)."""
+    import submitit
+
+    env = submitit.JobEnvironment() if "SLURM_JOB_ID" in os.environ and cfg.cluster.launcher == "slurm" else None
+    if env is None or env.num_tasks == 1:
+        yield True
+        return
+    # rendezvous files on the job's (shared) directory, fresh for every start of a requeued job
+    rdv = Path(cfg.output_dir) / f".ray.{env.job_id}.{os.environ.get('SLURM_RESTART_COUNT', '0')}"
+    addr = socket.gethostbyname(env.hostnames[env.node])
+    os.environ["MOLT_NODE_ADDR"] = addr
+    cmd = [str(Path(sys.executable).parent / "ray"), "start", "--block", f"--node-ip-address={addr}", "--disable-usage-stats",
+           f"--num-cpus={cfg.cluster.cpus_per_task or 1}", f"--resources={{\"molt_task_{env.global_rank}\": 1}}"]
+    if env.global_rank == 0:
+        rdv.mkdir(parents=True, exist_ok=True)
+        port = free_port(addr)
+        ray = subprocess.Popen(cmd + ["--head", f"--port={port}", "--include-dashboard=false"], start_new_session=True)
+        os.environ["MOLT_RAY_ADDRESS"] = f"{addr}:{port}"  # the loop's ray_session joins it
+        try:
+            wait_for_nodes(env.num_tasks, rdv / "address")
+            yield True
+        finally:
+            (rdv / "done").touch()
+            stop_group(ray)
+        return
+    head = wait_for_file(rdv / "address").read_text()
+    ray = subprocess.Popen(cmd + [f"--address={head}"], start_new_session=True)
+    try:
+        while not (rdv / "done").exists() and ray.poll() is None:  # the head's end ends our worker too
+            time.sleep(1)
+        yield False
+    finally:
+        stop_group(ray)
+
+
+def wait_for_file(path: Path, timeout_s: float = 300) -> Path:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear in {timeout_s:.0f} s: task 0 did not start Ray (its log)")
+        time.sleep(0.5)
+    return path
+
+
+def wait_for_nodes(n: int, address_file: Path, timeout_s: float = 300) -> None:
+    """On task 0: once the head answers, publish its address; then wait until all n Ray nodes are alive."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.init(address=os.environ["MOLT_RAY_ADDRESS"], log_to_driver=False)
+            break
+        except ConnectionError:  # the head is still starting
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+    try:
+        address_file.write_text(os.environ["MOLT_RAY_ADDRESS"])
+        while (alive := sum(node["Alive"] for node in ray.nodes())) < n:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {alive} of {n} Ray nodes joined in {timeout_s:.0f} s (see the task logs)")
+            time.sleep(0.5)
+    finally:
+        ray.shutdown()
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
+    """SIGTERM a process group (`ray start --block` shuts its node down), SIGKILL what is left."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def rank_placement(rank: int, world: int) -> dict:
+    """Ray options that put actor rank `rank` on its Slurm task, ranks packed by task (rank 0 with the loop);
+    {} on one node."""
+    import ray
+
+    tasks = sum(k.startswith("molt_task_") for k in ray.cluster_resources())
+    if tasks == 0:
+        return {}
+    per_task = -(-world // tasks)
+    return {"resources": {f"molt_task_{rank // per_task}": 0.001}}
+
+
+def on_driver_node() -> dict:
+    """Ray options that keep an actor beside the loop (it reaches the engines on loopback)."""
+    import ray
+
+    return {"resources": {"molt_task_0": 0.001}} if "molt_task_0" in ray.cluster_resources() else {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Submission (login node)
+
+
+def srun_args(c) -> list[str]:
+    image = [a.format(image=c.container_image) for a in c.container_srun_args] if c.container_image else []
+    return image + [str(a) for a in c.extra_srun]
+
+
+def slurm_params(c) -> dict:
+    """submitit executor parameters from cluster.*; empty values are left to the cluster's defaults."""
+    p = dict(nodes=c.num_nodes, tasks_per_node=c.tasks_per_node, gpus_per_node=c.gpus_per_node or None,
+             cpus_per_task=c.cpus_per_task or None, mem_gb=c.mem_gb or None, timeout_min=c.time_min,
+             slurm_partition=c.partition or None, slurm_account=c.account or None, slurm_qos=c.qos or None,
+             slurm_constraint=c.constraint or None, slurm_setup=list(c.setup) or None,
+             slurm_srun_args=srun_args(c) or None, slurm_additional_parameters=dict(c.extra_sbatch) or None)
+    return {k: v for k, v in p.items() if v is not None}
+
+
+def check_job(launcher, overrides: list[str], num: int) -> None:
+    """Compose one job's config as its node will, and run the guard rails on it here (exit 2 on a failure)."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf, open_dict
+
+    from molt.cli import validate
+
+    cfg = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, overrides)
+    with open_dict(cfg):
+        cfg.hydra.job.num = num
+        cfg.hydra.runtime.output_dir = str(Path(cfg.hydra.sweep.dir) / str(cfg.hydra.sweep.subdir))
+    HydraConfig.instance().set_config(cfg)  # ${hydra:...} in the job's config reads this job's values
+    job = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])  # what the task gets, as in run_job
+    OmegaConf.set_readonly(job, False)
+    try:
+        validate(job)
+    finally:
+        HydraConfig.instance().set_config(launcher.config)
+
+
+def sbatch_script(executor, num_jobs: int) -> str:
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    ex = executor._executor
+    return _make_sbatch_string(command=ex._submitit_command_str, folder=ex.folder,
+                               map_count=num_jobs if num_jobs > 1 else None, **ex.parameters)
+
+
+def launch(launcher, job_overrides, initial_job_idx: int):
+    """Check every job, then submit them as one array (or print its sbatch script with dry_run=true)."""
+    import submitit
+    from hydra.core.singleton import Singleton
+    from hydra.core.utils import JobReturn, JobStatus
+
+    cfg = launcher.config
+    nums = [initial_job_idx + i for i in range(len(job_overrides))]
+    for overrides, num in zip(job_overrides, nums):
+        check_job(launcher, list(overrides), num)
+    executor = submitit.AutoExecutor(folder=launcher.params["submitit_folder"], cluster="slurm",
+                                     slurm_max_num_timeout=cfg.cluster.max_requeue)
+    executor.update_parameters(name=cfg.name, **slurm_params(cfg.cluster))
+    done = [JobReturn(overrides=list(o), status=JobStatus.COMPLETED) for o in job_overrides]
+    if cfg.dry_run:
+        print(f"molt dry run: {len(done)} Slurm job(s) pass the guard rails; sbatch script (nothing submitted):")
+        print(sbatch_script(executor, len(done)))
+        return done
+    Path(str(cfg.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
+    args = [(list(o), "hydra.sweep.dir", n, f"job_id_for_{n}", Singleton.get_state()) for o, n in zip(job_overrides, nums)]
+    jobs = executor.map_array(launcher, *zip(*args))
+    for job, overrides in zip(jobs, job_overrides):
+        print(f"molt: submitted Slurm job {job.job_id} ({' '.join(overrides) or cfg.name})\n"
+              f"  log     {job.paths.stdout}\n"
+              f"  follow  tail -f {shlex.quote(str(job.paths.stdout))}   squeue -j {job.job_id}   scancel {job.job_id}")
+    sys.stdout.flush()
+    if cfg.cluster.wait:
+        wait(jobs)
+    return done
+
+
+def wait(jobs, poll_s: float = 2.0) -> None:
+    """Until every job has left the queue (a requeued job stays in it); exit 1 unless each left a result."""
+    array = jobs[0].job_id.split("_")[0]
+    while subprocess.run(["squeue", "-h", "-j", array], capture_output=True, text=True).stdout.strip():
+        time.sleep(poll_s)
+    for job in jobs:
+        if all(job.task(t).paths.result_pickle.exists() for t in range(job.num_tasks)):
+            job.results()  # raises the job's own exception, if it raised one
+            continue
+        state = subprocess.run(["scontrol", "show", "job", "-o", job.job_id], capture_output=True, text=True).stdout
+        state = next((w for w in state.split() if w.startswith("JobState=")), "JobState=?")
+        print(f"molt: Slurm job {job.job_id} ended without a result ({state}); see {job.paths.stdout} and "
+              f"{job.paths.stderr}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,159 @@
+"""`molt cluster=slurm_local ...` on a real single-node Slurm (conftest.py): submission, guard rails, dry run."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlflow
+import pytest
+
+from tests.cluster.conftest import job_processes
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = ["cluster=slurm_local", "experiment=quickstart", "rollout.n=4", "train.groups_per_step=2",
+        "rollout.max_inflight_groups=4", "eval.max_samples=4"]
+
+
+def molt(*overrides, timeout=600):
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled")
+    return subprocess.run([sys.executable, "-m", "molt", *overrides], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def queue() -> str:
+    return subprocess.run(["squeue", "-h"], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def runs(uri: str):
+    client = mlflow.MlflowClient(uri)
+    return client, client.search_runs([e.experiment_id for e in client.search_experiments()])
+
+
+def test_job_trains_and_its_mlflow_run_shows_rewards(slurm, tmp_path):
+    out = molt(*TINY, "train.steps=2", "eval.every=2", f"hydra.sweep.dir={tmp_path}")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "molt: submitted Slurm job" in out.stdout and "scancel" in out.stdout
+    log = next(tmp_path.glob(".submitit/*/*_0_log.out"))
+    assert log.as_posix() in out.stdout, "the printed log path is the job's log"
+    client, (run,) = runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert run.info.status == "FINISHED"
+    assert len(client.get_metric_history(run.info.run_id, "reward/mean")) == 2
+    assert client.get_metric_history(run.info.run_id, "eval/reward")
+    assert run.data.tags["molt.sweep"] == str(tmp_path.resolve()) and "train.steps=2" in run.data.tags["molt.overrides"]
+    text = log.read_text()  # the end-of-run summary, in the job's log
+    assert "molt: quickstart done: 2 steps" in text and "reward  " in text and "mlflow ui --backend-store-uri" in text
+
+
+@pytest.mark.parametrize("overrides,fragment", [
+    (["cluster=slurm"], "cluster.partition is empty"),
+    (["cluster=slurm", "cluster.partition=debug", "cluster.gpus_per_node=9"], "cluster.gpus_per_node=9 > cluster.max"),
+    (["cluster=slurm_local", "cluster.container_image=./missing.sqsh"], "cluster.container_image=./missing.sqsh"),
+    (["cluster=slurm_local", "fsdp.dp_size=4", "cluster.gpus_per_node=1", "cluster.max_gpus_per_node=1"],
+     "4 actor ranks > cluster.num_nodes*gpus_per_node = 1"),  # a layout that does not fit the nodes
+    (["-m", "cluster=slurm_local", "rollout.n=4,1"], "rollout.n=1"),  # the array's second job is bad: nothing goes
+])
+def test_bad_input_fails_before_submission(slurm, tmp_path, overrides, fragment):
+    out = molt(*overrides, f"hydra.sweep.dir={tmp_path}", timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()] and fragment in out.stderr
+    assert "submitted" not in out.stdout and not (tmp_path / ".submitit").exists() and not queue()
+
+
+def test_dry_run_prints_the_sbatch_script(slurm, tmp_path):
+    out = molt("-m", *TINY, "estimator=grpo,rloo", "+cluster.extra_sbatch.mail-type=END",
+               "cluster.extra_srun=['--mpi=none']", "dry_run=true", f"hydra.sweep.dir={tmp_path}", timeout=120)
+    assert out.returncode == 0, out.stderr
+    for line in ["#SBATCH --partition=debug", "#SBATCH --array=0-1%2", "#SBATCH --cpus-per-task=2",
+                 "#SBATCH --time=30", "#SBATCH --mail-type=END", "#SBATCH --job-name=quickstart",
+                 "srun --unbuffered", "--mpi=none", "-m submitit.core._submit"]:
+        assert line in out.stdout, (line, out.stdout)
+    assert not queue() and not (tmp_path / ".submitit").exists()
+
+
+def test_sweep_is_one_array_and_molt_compare_tables_and_plots_it(slurm, tmp_path):
+    out = molt("-m", *TINY, "train.steps=2", "estimator=grpo,rloo", f"hydra.sweep.dir={tmp_path}")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    ids = [line.split()[4] for line in out.stdout.splitlines() if line.startswith("molt: submitted Slurm job")]
+    assert len(ids) == 2 and {i.split("_")[0] for i in ids} == {ids[0].split("_")[0]}, ids  # one array
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client, found = runs(uri)
+    assert sorted(r.data.tags["molt.overrides"].split()[-1] for r in found) == ["estimator=grpo", "estimator=rloo"]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    cmp = subprocess.run([sys.executable, "-m", "molt.compare", str(tmp_path)], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert cmp.returncode == 0, cmp.stderr
+    header, *rows = cmp.stdout.splitlines()[:3]
+    for col in ["final reward", "best reward", "eval reward", "steps", "s/step", "tokens/s", "mismatch", "estimator"]:
+        assert col in header, header
+    assert sorted(r.split()[-1] for r in rows) == ["grpo", "rloo"] and all(" 2 " in r for r in rows), rows
+    pngs = sorted(p.name for p in (tmp_path / "compare").glob("*.png"))
+    assert pngs == sorted(f"{n}.png" for n in ["reward", "eval_reward", "loss", "mismatch", "staleness", "throughput"])
+    assert all((tmp_path / "compare" / p).stat().st_size > 10_000 for p in pngs)  # PNGs were written
+    _, with_compare = runs(uri)
+    (summary,) = [r for r in with_compare if r.data.tags.get("molt.compare")]
+    assert {a.path for a in client.list_artifacts(summary.info.run_id)} >= {"reward.png", "table.txt"}
+
+
+def test_two_tasks_share_one_ray_cluster_and_a_dp2_actor_has_a_rank_on_each(slurm, tmp_path):
+    out = molt(*TINY, "train.steps=2", "cluster.tasks_per_node=2", "cluster.cpus_per_task=1", "fsdp.dp_size=2",
+               f"hydra.sweep.dir={tmp_path}")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    job = out.stdout.split("molt: submitted Slurm job ")[1].split()[0]
+    log = (tmp_path / ".submitit" / job / f"{job}_0_log.out").read_text()
+    assert "molt: actor ranks on Slurm tasks [0, 1]" in log, log[-3000:]
+    client, (run,) = runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert run.info.status == "FINISHED" and len(client.get_metric_history(run.info.run_id, "reward/mean")) == 2
+    assert not job_processes(job), "every task stopped its own Ray node"
+
+
+def submit(*overrides) -> tuple[subprocess.Popen, str]:
+    """Start `molt ...` (cluster.wait=true keeps it running until the job ends); returns it and the job id."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled")
+    proc = subprocess.Popen([sys.executable, "-m", "molt", *overrides], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = proc.stdout.readline()
+    assert first.startswith("molt: submitted Slurm job"), first + proc.stderr.read()
+    return proc, first.split()[4]
+
+
+def wait_for(path_glob, root: Path, timeout_s: float = 400) -> Path:
+    deadline = time.monotonic() + timeout_s
+    while not (found := sorted(root.glob(path_glob))):
+        assert time.monotonic() < deadline, f"no {path_glob} under {root} after {timeout_s} s"
+        time.sleep(1)
+    return found[-1]
+
+
+def test_requeued_job_resumes_its_checkpoint_and_mlflow_run(slurm, tmp_path):
+    proc, job = submit(*TINY, "train.steps=4", "train.save_every=2", f"hydra.sweep.dir={tmp_path}")
+    wait_for("0/checkpoints/step_0000002.pt", tmp_path)
+    subprocess.run(["scontrol", "requeue", job], check=True)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    log = (tmp_path / ".submitit" / job / f"{job}_0_log.out").read_text()
+    assert "molt: resuming from" in log and "(step 2)" in log, log[-3000:]
+    client, (run,) = runs(f"sqlite:///{tmp_path / 'mlflow.db'}")  # one run across both starts
+    assert run.info.status == "FINISHED"
+    assert {m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")} == {0, 1, 2, 3}
+    assert (tmp_path / "0" / "checkpoints" / "step_0000004.pt").exists()
+
+
+def test_scancel_leaves_no_process_behind(slurm, tmp_path):
+    proc, job = submit(*TINY, "train.steps=50", "cluster.tasks_per_node=2", "cluster.cpus_per_task=1",
+                       f"hydra.sweep.dir={tmp_path}")
+    log = wait_for(f".submitit/{job}/{job}_0_log.err", tmp_path)
+    deadline = time.monotonic() + 400
+    while "reward=" not in log.read_text():  # a step has trained: engines, Ray and the actor are all up
+        assert time.monotonic() < deadline, "the job never trained a step"
+        time.sleep(1)
+    assert job_processes(job), "the job is running"
+    subprocess.run(["scancel", job], check=True)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "CANCELLED" in err, out[-2000:] + err[-2000:]
+    deadline = time.monotonic() + 60
+    while (left := job_processes(job)) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not left, [p.cmdline() for p in left]
