@@ -88,7 +88,8 @@ def summary(cfg, uri: str, run_id: str) -> str:
     reward, evals = hist("reward/mean"), hist("eval/reward")
     info = client.get_run(run_id).info
     wall = ((info.end_time or info.start_time) - info.start_time) / 1000
-    lines = [f"molt: {cfg.name} done: {len(reward)} steps in {wall:.0f} s"]
+    steps = reward[-1].step + 1 if reward else 0  # a requeued job logs the steps after its checkpoint again
+    lines = [f"molt: {cfg.name} done: {steps} steps in {wall:.0f} s"]
     if reward:
         lines.append(f"  reward  {reward[0].value:.3f} -> {reward[-1].value:.3f}"
                      + (f"   eval {evals[-1].value:.3f} (step {evals[-1].step})" if evals else ""))
