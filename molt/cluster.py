@@ -227,14 +227,20 @@ def launch(launcher, job_overrides, initial_job_idx: int):
 
 
 def wait(jobs, poll_s: float = 2.0) -> None:
-    """Until every job has left the queue (a requeued job stays in it); exit 1 unless each left a result."""
+    """Until every job has left the queue (a requeued job stays in it); exit 1 unless each one succeeded."""
+    from hydra.core.utils import JobStatus
+
     array = jobs[0].job_id.split("_")[0]
     while subprocess.run(["squeue", "-h", "-j", array], capture_output=True, text=True).stdout.strip():
         time.sleep(poll_s)
     for job in jobs:
         if all(job.task(t).paths.result_pickle.exists() for t in range(job.num_tasks)):
-            job.results()  # raises the job's own exception, if it raised one
-            continue
+            failed = [r for r in job.results() if r.status == JobStatus.FAILED]  # Hydra keeps the job's exception
+            if not failed:
+                continue
+            print(f"molt: Slurm job {job.job_id} failed: {type(failed[0]._return_value).__name__}: "
+                  f"{str(failed[0]._return_value).splitlines()[0]}; see {job.paths.stdout}", file=sys.stderr)
+            sys.exit(1)
         state = subprocess.run(["scontrol", "show", "job", "-o", job.job_id], capture_output=True, text=True).stdout
         state = next((w for w in state.split() if w.startswith("JobState=")), "JobState=?")
         print(f"molt: Slurm job {job.job_id} ended without a result ({state}); see {job.paths.stdout} and "
