@@ -136,7 +136,7 @@ def test_requeued_job_resumes_its_checkpoint_and_mlflow_run(slurm, tmp_path):
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-2000:] + err[-3000:]
     log = (tmp_path / ".submitit" / job / f"{job}_0_log.out").read_text()
-    assert "molt: resuming from" in log and "(step 2)" in log, log[-3000:]
+    assert "continuing from" in log and "(step 2," in log, log[-3000:]
     client, (run,) = runs(f"sqlite:///{tmp_path / 'mlflow.db'}")  # one run across both starts
     assert run.info.status == "FINISHED"
     assert {m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")} == {0, 1, 2, 3}
