@@ -1,5 +1,4 @@
 import dataclasses
-import io
 import random
 
 import pytest
@@ -158,16 +157,16 @@ def test_export_includes_head_when_tied(model_dir, tmp_path):
     assert weights["lm_head.weight"].data_ptr() != weights["model.embed_tokens.weight"].data_ptr()
 
 
-def test_state_dict_round_trip(model_dir):
+def test_checkpoint_round_trip(model_dir, tmp_path):
+    from molt import checkpoint
+
     cfg = TrainConfig(row_tokens=64, lr=1e-2)
     a, b = Actor(model_dir, cfg), Actor(model_dir, cfg)
     segs = make_segments(seed=4)
     segs = with_logprobs(segs, a.logprobs(segs))
     a.train_step(segs, [1.0] * len(segs))
-    buf = io.BytesIO()
-    torch.save(a.state_dict(), buf)  # as a checkpoint would: load_state_dict keeps references otherwise
-    buf.seek(0)
-    b.load_state_dict(torch.load(buf))
+    path = checkpoint.save(str(tmp_path / "ckpt"), 1, a, data_position=3, model_dir=model_dir)
+    assert checkpoint.load(path, b)["data_position"] == 3
     a.train_step(segs, [0.5] * len(segs))
     b.train_step(segs, [0.5] * len(segs))  # identical only if the AdamW moments came along
     for (k, p), q in zip(a.model.named_parameters(), b.model.parameters()):
