@@ -85,9 +85,6 @@ def test_critic_learns_returns_and_gae_uses_it(model_dir):
     raw = gae_raw(rewards, v, mask, 1.0, 1.0)
     torch.testing.assert_close(raw, (rewards[:, None] - v) * mask)
     assert raw.abs().sum() < 0.6 * (mask * rewards[:, None]).sum()
-    other = run_actor(cfg, model_dir)
-    other.load_state_dict(actor.state_dict())
-    assert other.score(segments, ["critic"])["critic"] == v_now
 
 
 def test_checkpoint_keeps_the_critic_and_exports_a_teacher(model_dir, tmp_path):
