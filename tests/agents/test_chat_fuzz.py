@@ -1,4 +1,5 @@
-"""Property-based fuzzing of the chat server's two wire protocols (issue 11): 1,000 generated requests in make test.
+"""Property-based fuzzing of the chat server's two wire protocols (issue 11): 10,000 generated requests in make test
+(about 80 s on 2 cores).
 
 Bodies are drawn by hypothesis from near-valid shapes (the protocols' own fields and blocks, with any JSON in any
 slot) and from raw bytes, and sent through the server's real ASGI app (in process: no sockets, so the budget goes
@@ -22,7 +23,7 @@ from molt.agents.chat_server import build_app, close_session, open_session, shar
 from molt.config import AgentConfig
 from tests.agents.test_chat_hostile import Scripted, loop, run, tok  # noqa: F401 (fixtures)
 
-EXAMPLES = int(os.environ.get("MOLT_FUZZ_EXAMPLES", "500"))  # per protocol; the issue asks 5000 (10k in all)
+EXAMPLES = int(os.environ.get("MOLT_FUZZ_EXAMPLES", "5000"))  # per protocol: 10,000 requests in all
 CFG = AgentConfig(mode="chat", max_turns=10**9, max_tokens_per_turn=4, max_total_tokens=256, max_request_bytes=4096)
 leaf = st.none() | st.booleans() | st.integers(-3, 10**12) | st.floats(allow_nan=False) | st.text(max_size=12)
 anything = st.recursive(leaf, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
@@ -45,6 +46,9 @@ bodies = {
         **common, "system": content, "stop_sequences": anything, "top_k": anything}),
 }
 ROUTES = {"oai": "/v1/chat/completions", "ant": "/v1/messages"}
+# well-formed requests with fuzzed text, so that every run also exercises the served path (200s)
+valid = st.fixed_dictionaries({"max_tokens": st.integers(1, 4), "messages": st.lists(st.fixed_dictionaries(
+    {"role": st.just("user"), "content": st.text(max_size=20)}), min_size=1, max_size=1)})
 
 
 def shape_ok(kind: str, status: int, body: bytes) -> bool:
@@ -98,7 +102,7 @@ def test_fuzzed_requests_get_protocol_answers(loop, fuzz, kind):  # noqa: F811
 
     @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
-    @given(body=bodies[kind].map(lambda b: json.dumps(b).encode()) | st.binary(max_size=64))
+    @given(body=(valid | bodies[kind]).map(lambda b: json.dumps(b).encode()) | st.binary(max_size=64))
     def one(body):
         status, answer = send(loop, fuzz, kind, body)
         statuses.append(status)
