@@ -8,7 +8,6 @@ and every bad input failing only its rollout with the reason counted.
 import asyncio
 import base64
 import io
-import threading
 
 import anthropic
 import openai
@@ -22,12 +21,12 @@ from molt.actor import vision
 from molt.actor.actor import Actor
 from molt.agents import images
 from molt.agents.chat_agent import run_chat_rollout
-from molt.agents.chat_server import stop_shared_server
 from molt.agents.env import run_env_rollout, run_group
 from molt.assets import VL_IMAGE, ensure_model
 from molt.config import AgentConfig, EngineConfig, TrainConfig
 from molt.rollout.engine import EngineClient, launch_engines, sync_weights, verify_sync
 from molt.rollout.router import Router
+from tests.agents.test_chat import loop  # noqa: F401 (the event-loop fixture)
 
 SEQ = (VL_IMAGE["image_size"] // VL_IMAGE["patch_size"]) ** 2 // VL_IMAGE["scale_factor"] ** 2  # image tokens
 
@@ -168,18 +167,6 @@ def test_bad_images_fail_only_their_rollout(router, tok, reason):
 
 
 # ---- ChatAgent mode: the real openai and anthropic SDKs against the loopback chat server ----
-
-
-@pytest.fixture(scope="module")
-def loop():
-    """The worker's event loop on its own thread (the chat server lives in it, as in a rollout worker)."""
-    aio = asyncio.new_event_loop()
-    thread = threading.Thread(target=aio.run_forever, daemon=True)
-    thread.start()
-    yield aio
-    asyncio.run_coroutine_threadsafe(stop_shared_server(), aio).result(30)
-    aio.call_soon_threadsafe(aio.stop)
-    thread.join(10)
 
 
 def on(loop, coro):
