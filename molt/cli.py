@@ -9,6 +9,7 @@ A config error prints one line, `molt: config error: <message>`, and exits with 
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -18,6 +19,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 from molt import guards
 from molt.config import REPO, derived, register
+
+# Ray reads its auth mode once, when it is first imported: the per-run token auth of a local run (molt/loop.py
+# ray_session) needs it set before then, in the driver too, or the driver cannot talk to its own cluster
+os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
 def describe_model(cfg, hf: dict) -> str:

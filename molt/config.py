@@ -78,6 +78,8 @@ class EngineConfig:
     probe_tol: float = 1e-3  # max |engine - actor| log-prob on the probe after each sync (bf16 GPU engines differ more)
     base_port: int = 0  # 0 = pick free loopback ports
     uds: bool = True  # serve each engine on a Unix socket in a 0700 directory (false: TCP on 127.0.0.1, base_port)
+    max_restarts: int = 3  # an engine that dies is restarted, synced and verified; more restarts than this within
+    restart_window_s: float = 3600.0  # this many seconds stop the run (max_restarts=0: the first death stops it)
 
 
 @dataclass
@@ -88,6 +90,8 @@ class RolloutConfig:
     top_k: int = -1
     max_inflight_groups: int = 32
     max_lag: int = 1  # staleness bound in weight versions (0 = synchronous on-policy)
+    seed: Optional[int] = None  # seed every sampled request from (seed, group, turn, sample): the same weights and
+    # data give the same tokens on any engine, after a retry or a resume (None = the engines' own randomness)
 
 
 @dataclass

@@ -37,8 +37,9 @@ from molt.agents.pool import RolloutWorker
 from molt.algo.advantages import ESTIMATORS, HELPER_TABLES, compute_advantages, helper_targets, token_table, untable
 from molt.assets import ensure_model
 from molt.config import derived
-from molt.rollout.engine import launch_engines, sync_weights, verify_sync
-from molt.types import EngineDied, Segment
+from molt.fleet import Fleet
+from molt.rollout.engine import launch_engines
+from molt.types import Segment
 
 log = logging.getLogger(__name__)
 
@@ -57,20 +58,20 @@ def run(cfg) -> None:
 
 
 def train(cfg, model_dir: Path, engines, stop: threading.Event) -> None:
-    aio = asyncio.new_event_loop()
     actor = make_actor(cfg, model_dir)
-    clients = [e.client() for e in engines]
+    fleet = Fleet(engines, cfg, actor, asyncio.new_event_loop())  # syncs engines, replaces those that die
     version, position = restore(cfg, actor)
     if version:  # the engines still serve the initial weights: give them the restored ones
-        aio.run_until_complete(sync_weights(clients, actor.export_weights(), version, cfg.engine.sync_dir))
+        fleet.sync(version)
     queue = Queue()
-    worker = RolloutWorker.options(**cluster.on_driver_node()).remote(cfg, clients, queue, str(model_dir), credits(cfg))
+    fleet.worker = worker = RolloutWorker.options(**cluster.on_driver_node()).remote(
+        cfg, list(fleet.clients.values()), queue, str(model_dir), credits(cfg), fleet.reports)
     ray.get(worker.start.remote(position))
     bar = tracking.progress(version, cfg.train.steps)
     for step in bar:
         clock = Clock()
         with clock("wait"):
-            groups, counts = collect(lambda: next_item(queue, engines, stop), cfg, version, refund=worker.grant.remote)
+            groups, counts = collect(lambda: next_item(queue, fleet, stop), cfg, version, refund=worker.grant.remote)
         if groups is None:  # Ctrl-C: stop between two steps, where the state is consistent
             raise Interrupted(step, checkpoint.save(cfg.checkpoint_dir, step, actor, position, model_dir)
                               if step else None, cfg.checkpoint_dir)
@@ -80,17 +81,18 @@ def train(cfg, model_dir: Path, engines, stop: threading.Event) -> None:
             metrics = actor.train_step(prep.segments, prep.advantages, cfg.rollout.temperature)
             metrics |= actor.train_helpers(prep.segments, prep.helper_targets)
         with clock("sync"):
-            probe = aio.run_until_complete(sync_and_verify(clients, actor, prep.segments[0], version + 1, cfg))
+            probe = fleet.sync(version + 1, prep.segments[0])
         version += 1
         worker.grant.remote(len(groups))  # after the sync: the next groups start on the new weights
         dump_rollouts(cfg, groups, prep.advantages, step)
-        metrics |= maybe_eval(cfg, worker, step)
+        metrics |= maybe_eval(cfg, worker, fleet, step)
         metrics |= prep.metrics | rollout_metrics(groups, counts, version, probe) | clock.metrics()
+        metrics["engine/restarts"] = fleet.total
         metrics["throughput/tokens_per_s"] = metrics["rollout/gen_tokens"] / metrics["time/step"]
         tracking.log_metrics(metrics, step)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step']:.2f}")
         maybe_save(cfg, actor, position, step, model_dir)  # after the log: a kill in between repeats a step, never loses one
-    aio.run_until_complete(close_all(clients))
+    fleet.close()
 
 
 class Interrupted(KeyboardInterrupt):
@@ -183,29 +185,24 @@ def ray_session(cfg):
             ray.shutdown()
 
 
-async def close_all(clients) -> None:
-    await asyncio.gather(*(c.aclose() for c in clients))
-
-
-def next_item(queue, engines, stop: threading.Event | None = None):
-    """Block on the queue, checking every two seconds that every engine is still alive; ("stop", None) once
-    `stop` is set (Ctrl-C)."""
+def next_item(queue, fleet: Fleet, stop: threading.Event | None = None):
+    """Block on the queue, replacing engines that die meanwhile (or stopping the run: engine.max_restarts);
+    ("stop", None) once `stop` is set (Ctrl-C)."""
     while True:
         if stop is not None and stop.is_set():
             return "stop", None
+        fleet.check()
         try:
             return queue.get(timeout=2.0)
         except Empty:
-            for e in engines:
-                if not e.alive():
-                    raise EngineDied(e.name, "the engine process exited; see its log under engines/")
+            pass
 
 
 def collect(pop, cfg, version: int, refund):
     """Pop groups until `groups_per_step` usable ones are in hand; drop stale and failed ones, and (filter.enabled)
     groups whose rewards are all equal. A dropped group's credit is refunded at once, so that its replacement
     starts on the current weights and the step can still fill (with max_lag=0 every credit is needed)."""
-    kept, counts, why = [], Counter(), Counter()
+    kept, counts, why = [], Counter(), Counter()  # counts: groups consumed, rollouts failed/retried, groups dropped
     budget = 10 * cfg.train.groups_per_step * cfg.rollout.n  # bound: a task that always fails stops the run
     while len(kept) < cfg.train.groups_per_step:
         kind, group = pop()
@@ -216,6 +213,7 @@ def collect(pop, cfg, version: int, refund):
         counts["groups"] += 1  # consumed (trained or dropped): the data position a checkpoint resumes from
         ok = [r for r in group.rollouts if r.status != "failed"]
         counts["failed"] += len(group.rollouts) - len(ok)
+        counts["retried"] += sum(r.info.get("retried", 0.0) > 0 for r in group.rollouts)
         why.update(r.error or "(no reason given)" for r in group.rollouts if r.status == "failed")
         if counts["failed"] > budget:
             raise RuntimeError(f"{counts['failed']} rollouts failed in one step, most often: {why.most_common(1)[0][0]}")
@@ -231,7 +229,7 @@ def collect(pop, cfg, version: int, refund):
         refund(1)
     for reason, n in why.items():  # one line per kind of failure, not a traceback per rollout
         log.warning("step %d: %d rollout(s) failed: %s", version, n, reason)
-    return kept, counts
+    return sorted(kept, key=lambda g: g.index), counts  # in data order, whichever finished first: reproducible
 
 
 def check_filter_budget(dropped: int, cfg) -> None:
@@ -286,20 +284,13 @@ def batch_metrics(rewards, adv, tables: dict) -> dict:
     return metrics
 
 
-async def sync_and_verify(clients, actor, probe_segment, version: int, cfg) -> float:
-    """Push the new weights to every engine, then check one engine's log-probs on a probe sequence."""
-    await sync_weights(clients, actor.export_weights(), version, cfg.engine.sync_dir)
-    expected = actor.logprobs([probe_segment], cfg.rollout.temperature)[0][1:]
-    features = await images.engine_features(clients[0], probe_segment.images)  # an image prompt probes the vision tower
-    return await verify_sync(clients[0], probe_segment.token_ids, expected, tol=cfg.engine.probe_tol, **features)
-
-
 def rollout_metrics(groups, counts, version: int, probe: float) -> dict:
     rollouts = [r for g in groups for r in g.rollouts]
     generated = sum(s.num_generated for r in rollouts for s in r.segments)
     starts, ends = zip(*(g.timing for g in groups))
     return {"staleness/mean": sum(version - 1 - g.min_version for g in groups) / len(groups),
             "rollout/failed": counts["failed"], "rollout/stale_dropped": counts["stale"],
+            "rollout/retried": counts["retried"],
             "rollout/truncated": sum(r.status == "truncated" for r in rollouts),
             "filter/dropped": counts["filtered"],
             "filter/dropped_frac": counts["filtered"] / (counts["filtered"] + len(groups)),
@@ -307,12 +298,12 @@ def rollout_metrics(groups, counts, version: int, probe: float) -> dict:
             "time/generate": max(ends) - min(starts), "sync/probe_abs_max": probe, "version": version}
 
 
-def maybe_eval(cfg, worker, step: int) -> dict:
+def maybe_eval(cfg, worker, fleet: Fleet, step: int) -> dict:
     last = step + 1 == cfg.train.steps
     if not cfg.eval.every or (step % cfg.eval.every and not last):
         return {}
     t0 = time.time()
-    out = ray.get(worker.evaluate.remote(cfg.task.eval_path, cfg.eval.max_samples, cfg.eval.temperature))
+    out = fleet.wait(worker.evaluate.remote(cfg.task.eval_path, cfg.eval.max_samples, cfg.eval.temperature))
     return out | {"time/eval": time.time() - t0}
 
 

@@ -39,7 +39,7 @@ def _follow(driver: int) -> list[psutil.Process] | None:
         if select.select([sys.stdin], [], [], 1.0)[0]:
             return None if os.read(sys.stdin.fileno(), 3) else list(seen.values())
         try:
-            seen |= {p.pid: p for p in psutil.Process(driver).children(recursive=True)}
+            seen |= {p.pid: p for p in psutil.Process(driver).children(recursive=True) if p.pid != os.getpid()}
         except psutil.NoSuchProcess:
             return list(seen.values())
 

@@ -101,29 +101,69 @@ def assert_private(driver: int, family: list) -> None:
     assert sessions and all(stat.S_IMODE(os.stat(os.path.dirname(d)).st_mode) == 0o700 for d in sessions), sessions
 
 
-def test_engine_death_stops_the_run_cleanly(tmp_path):
+def start(tmp_path, *overrides) -> subprocess.Popen:
+    """A `molt` run in the background, in its own session (as a terminal would run it); its output to run.err."""
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
-    proc = subprocess.Popen([sys.executable, "-m", "molt", *SMALL, "train.steps=1000", "train.save_every=1",
-                             f"hydra.run.dir={tmp_path / 'run'}", f"checkpoint_dir={tmp_path / 'ckpt'}"],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-m", "molt", *SMALL, *overrides], cwd=REPO, env=env,
+                            stdout=open(tmp_path / "run.err", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for_checkpoint(proc, ckpt: Path, step: int, timeout: float = 600) -> None:
+    deadline = time.time() + timeout
+    while not ((last := checkpoint.latest(str(ckpt))) and int(last.name.split("_")[1]) >= step):
+        assert proc.poll() is None, (ckpt.parent / "run.err").read_text()[-3000:]
+        assert time.time() < deadline, f"no checkpoint of step {step} within {timeout} s"
+        time.sleep(0.5)
+
+
+def engine_processes(driver: int) -> list[psutil.Process]:
+    """The vLLM API server(s) of a run and their children (EngineCore)."""
+    servers = [p for p in psutil.Process(driver).children(recursive=True)
+               if "vllm.entrypoints.openai.api_server" in " ".join(p.cmdline())]
+    return servers + [c for s in servers for c in s.children(recursive=True)]
+
+
+def test_a_killed_engine_is_replaced_and_the_run_finishes(tmp_path):
+    """Issue 11: both processes of the engine are killed mid-run; it is restarted, synced and verified, and the run
+    trains every step, with the restart counted."""
+    proc = start(tmp_path, "train.steps=5", "train.save_every=1", "engine.max_restarts=1",
+                 f"hydra.run.dir={tmp_path / 'run'}", f"checkpoint_dir={tmp_path / 'ckpt'}")
     try:
-        deadline = time.time() + 600
-        while not checkpoint.latest(str(tmp_path / "ckpt")) and time.time() < deadline:
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
-            time.sleep(1)
-        assert checkpoint.latest(str(tmp_path / "ckpt")), "no checkpoint within 600 s"
-        engines = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                   if "vllm.entrypoints.openai.api_server" in " ".join(p.cmdline())]
-        assert engines, "the run started a vLLM server"
-        family = psutil.Process(proc.pid).children(recursive=True)
-        assert_private(proc.pid, family)
-        os.kill(engines[0].pid, signal.SIGKILL)
-        _, err = proc.communicate(timeout=120)
+        wait_for_checkpoint(proc, tmp_path / "ckpt", 2)
+        killed = engine_processes(proc.pid)
+        assert len(killed) >= 2, "an API server and its EngineCore"
+        for p in killed:
+            p.kill()
+        proc.wait(timeout=600)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode != 0
-    assert "engine0" in err and "Traceback" not in err.splitlines()[-1]
+    err = (tmp_path / "run.err").read_text()
+    assert proc.returncode == 0, err[-3000:]
+    assert "restarting it (1 of engine.max_restarts=1" in err and "engine engine0 is back" in err
+    _, run, hist = history(tmp_path / "run")
+    assert run.info.status == "FINISHED" and hist("version") == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert hist("engine/restarts")[-1] == 1.0 and max(hist("sync/probe_abs_max")) <= 1e-4
+
+
+def test_engine_death_stops_the_run_cleanly(tmp_path):
+    """engine.max_restarts=0: the first death stops the run, with the reason, and nothing is left behind."""
+    proc = start(tmp_path, "train.steps=1000", "train.save_every=1", "engine.max_restarts=0",
+                 f"hydra.run.dir={tmp_path / 'run'}", f"checkpoint_dir={tmp_path / 'ckpt'}")
+    try:
+        wait_for_checkpoint(proc, tmp_path / "ckpt", 1)
+        engines = engine_processes(proc.pid)
+        assert engines, "the run started a vLLM server"
+        family = psutil.Process(proc.pid).children(recursive=True)
+        assert_private(proc.pid, family)
+        engines[0].kill()
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = (tmp_path / "run.err").read_text()
+    assert proc.returncode == 1
+    assert "engine0" in err and "engine.max_restarts=0" in err and "Traceback" not in err.splitlines()[-1]
     time.sleep(2)
     assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], "no orphans"
     last = checkpoint.latest(str(tmp_path / "ckpt"))
@@ -165,3 +205,67 @@ def test_sigterm_while_engines_start_leaves_no_orphans(tmp_path):
     time.sleep(2)
     assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], "no orphans"
 
+
+
+EXACT = ["rollout.max_lag=0", "rollout.seed=7", "train.save_every=1", "train.steps=8", "eval.every=0"]
+SAME = ["reward/mean", "reward/std", "rollout/failed", "rollout/gen_tokens", "version", "staleness/mean"]
+CLOSE = ["loss/policy", "advantage/abs_mean", "mismatch/logprob_abs_mean", "entropy/mean"]
+
+
+def last_per_step(hist, key) -> dict[int, float]:
+    """A step logged twice (a kill between its log and its checkpoint repeats it) counts once: its last value."""
+    return {m.step: m.value for m in sorted(hist(key), key=lambda m: m.timestamp)}
+
+
+def test_killed_and_interrupted_runs_resume_exactly(tmp_path):
+    """Issue 11, exact resume: seeded sampling (rollout.seed) and max_lag=0 make generation deterministic, so a run
+    that is SIGKILLed, resumed, interrupted with Ctrl-C and resumed again trains the same steps as one that ran
+    straight through: the same rewards, token counts and versions, losses within float noise, one MLflow run."""
+    out = molt(*SMALL, *EXACT, f"hydra.run.dir={tmp_path / 'straight'}", f"checkpoint_dir={tmp_path / 'ck1'}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    ckpt = tmp_path / "ck2"
+    args = [*EXACT, f"hydra.run.dir={tmp_path / 'run'}", f"checkpoint_dir={ckpt}"]
+
+    proc = start(tmp_path, *args)  # 1. kill -9 the driver after step 2's checkpoint
+    wait_for_checkpoint(proc, ckpt, 2)
+    family = psutil.Process(proc.pid).children(recursive=True)
+    proc.kill()
+    proc.wait()
+    _, run, _ = history(tmp_path / "run")
+    deadline = time.time() + 30
+    while ([p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+           or mlflow.MlflowClient(f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}").get_run(run.info.run_id).info.status
+           != "KILLED") and time.time() < deadline:
+        time.sleep(0.5)
+    assert not [p.cmdline()[:3] for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], \
+        "the reaper stops what a SIGKILLed driver left"
+    assert history(tmp_path / "run")[1].info.status == "KILLED", "and marks its MLflow run KILLED"
+
+    proc = start(tmp_path, *args, "resume=true")  # 2. resume; Ctrl-C (the terminal's SIGINT to the group)
+    wait_for_checkpoint(proc, ckpt, 4)
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.wait(timeout=120)
+    said = (tmp_path / "run.err").read_text()
+    assert "resume=true: continuing from" in said and "step_0000002" in said
+    assert proc.returncode == 130, said[-3000:]
+    line = [x for x in said.splitlines() if x.startswith("molt: interrupted at step")]
+    assert len(line) == 1 and "to continue, run the same command with resume=true" in line[0], said[-3000:]
+    step = int(line[0].split()[4].rstrip(";"))
+    assert 4 <= step < 8 and checkpoint.latest(str(ckpt)).name == f"step_{step:07d}"
+    assert history(tmp_path / "run")[1].info.status == "KILLED"
+
+    proc = start(tmp_path, *args, "resume=true")  # 3. resume to the end
+    assert proc.wait(timeout=600) == 0, (tmp_path / "run.err").read_text()[-3000:]
+
+    (c1, r1, h1), (c2, r2, h2) = history(tmp_path / "straight"), history(tmp_path / "run")
+    assert r2.info.status == "FINISHED" and len(c2.search_runs([r2.info.experiment_id])) == 1, "one MLflow run"
+    raw1 = lambda k: c1.get_metric_history(r1.info.run_id, k)  # noqa: E731
+    raw2 = lambda k: c2.get_metric_history(r2.info.run_id, k)  # noqa: E731
+    for key in SAME:
+        assert last_per_step(raw2, key) == last_per_step(raw1, key), key
+    for key in CLOSE:
+        a, b = last_per_step(raw1, key), last_per_step(raw2, key)
+        assert a.keys() == b.keys() == set(range(8)) and all(abs(a[s] - b[s]) <= 1e-4 for s in a), (key, a, b)
+    positions = [json.loads((checkpoint.latest(str(d)) / "state.json").read_text())["data_position"]
+                 for d in (tmp_path / "ck1", ckpt)]
+    assert positions[0] == positions[1]

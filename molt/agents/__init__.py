@@ -1,26 +1,31 @@
-"""Agent modes, by `agent.mode`: what the user's `agent.module` must define, and the runner of one prompt group.
+"""Agent modes, by `agent.mode`: what the user's `agent.module` must define, and the runner of one rollout.
 
-Adding a mode = one runner (`run_group(generate, tokenizer, agent, sample, group_id, n, agent_cfg, sampling,
-release) -> Group`) and one `MODES` entry.
+Adding a mode = one runner (`run_rollout(generate, tokenizer, agent, sample, rollout_id, group_id, agent_cfg, sampling,
+release) -> Rollout`) and one `MODES` entry; `run_group` runs a prompt group of either mode.
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from molt.agents.chat_agent import run_chat_group
-from molt.agents.env import run_group
+from molt.agents.chat_agent import run_chat_rollout
+from molt.agents.env import run_env_rollout
+from molt.types import EngineDied, Group
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Mode:
     entry: str  # the callable agent.module must define
-    run_group: Callable
+    run_rollout: Callable
     contract: str  # where the contract of `entry` is written down
 
 
-MODES = {"env": Mode("make_env", run_group, "molt/agents/env.py"),
-         "chat": Mode("run_agent", run_chat_group, "molt/agents/chat_agent.py")}
+MODES = {"env": Mode("make_env", run_env_rollout, "molt/agents/env.py"),
+         "chat": Mode("run_agent", run_chat_rollout, "molt/agents/chat_agent.py")}
 
 
 def load_agent(mode: str, module: Any) -> Callable:
@@ -31,3 +36,27 @@ def load_agent(mode: str, module: Any) -> Callable:
         raise AttributeError(f"agent.mode={mode} needs agent.module={module.__name__} to define {m.entry} "
                              f"(see {m.contract} and the README's agent sections)")
     return fn
+
+
+async def run_group(mode: str, generate, tokenizer, agent: Callable, sample: dict, group_id: str, n: int, agent_cfg,
+                    sampling: dict, release: Callable[[str], None] | None = None, retry: bool = False) -> Group:
+    """n rollouts of one sample, concurrently; rollout ids are f"{group_id}/{i}". With `retry` (engines are replaced
+    when they die: molt/fleet.py), a rollout whose engine died starts again from scratch: its partial trajectory is
+    discarded and info["retried"] counts the restarts; otherwise EngineDied propagates."""
+    run = MODES[mode].run_rollout
+
+    async def one(i: int):
+        attempt = 0
+        while True:
+            try:
+                ro = await run(generate, tokenizer, agent, sample, f"{group_id}/{i}", group_id, agent_cfg, sampling,
+                               release)
+                ro.info["retried"] = float(attempt)
+                return ro
+            except EngineDied as e:
+                if not retry:
+                    raise
+                attempt += 1
+                log.info("rollout %s/%d: %s; starting it again", group_id, i, e)
+
+    return Group(group_id=group_id, sample=sample, rollouts=list(await asyncio.gather(*(one(i) for i in range(n)))))

@@ -33,7 +33,7 @@ from typing import Callable
 from molt.agents.chat_server import close_session, open_session, shared_server
 from molt.agents.env import where
 from molt.config import AgentConfig
-from molt.types import Generate, Group, Rollout
+from molt.types import Generate, Rollout
 
 log = logging.getLogger(__name__)
 _THREADS = ThreadPoolExecutor(max_workers=256, thread_name_prefix="molt-chat-agent")  # sync agents; lazy threads
@@ -124,13 +124,3 @@ def _finish(ro: Rollout, turns: int, refused: int, rejected: int = 0, rejection:
                    gen_tokens=float(sum(x.num_generated for x in ro.segments)),
                    tokens=float(sum(len(x.token_ids) for x in ro.segments)))
     return ro
-
-
-async def run_chat_group(router_generate: Generate, tokenizer, agent_fn: Callable, sample: dict, group_id: str,
-                         n: int, agent_cfg: AgentConfig, sampling: dict,
-                         release: Callable[[str], None] | None = None) -> Group:
-    """n rollouts of one sample, concurrently; rollout ids are f"{group_id}/{i}" (as in env mode)."""
-    rollouts = await asyncio.gather(*(run_chat_rollout(router_generate, tokenizer, agent_fn, sample,
-                                                       f"{group_id}/{i}", group_id, agent_cfg, sampling, release)
-                                      for i in range(n)))
-    return Group(group_id=group_id, sample=sample, rollouts=list(rollouts))

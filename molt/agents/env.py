@@ -37,7 +37,6 @@ Choices:
 """
 from __future__ import annotations
 
-import asyncio
 import functools
 import inspect
 import logging
@@ -48,7 +47,7 @@ from typing import Any, Callable
 
 from molt.agents import images
 from molt.config import AgentConfig
-from molt.types import Generate, Group, Rollout, Segment
+from molt.types import Generate, Rollout, Segment
 
 log = logging.getLogger(__name__)
 MARK = "MOLT_TURN_MARK"  # dummy assistant content; everything the template adds after it is glue
@@ -236,11 +235,3 @@ async def run_env_rollout(generate: Generate, tokenizer, make_env: Callable, sam
     seg.check()
     ro.info.update(gen_tokens=float(seg.num_generated), tokens=float(len(seg.token_ids)))
     return ro
-
-
-async def run_group(generate: Generate, tokenizer, make_env: Callable, sample: dict, group_id: str, n: int,
-                    agent_cfg: AgentConfig, sampling: dict, release: Callable[[str], None] | None = None) -> Group:
-    """n rollouts of one sample, concurrently; rollout ids are f"{group_id}/{i}"."""
-    rollouts = await asyncio.gather(*(run_env_rollout(generate, tokenizer, make_env, sample, f"{group_id}/{i}",
-                                                      group_id, agent_cfg, sampling, release) for i in range(n)))
-    return Group(group_id=group_id, sample=sample, rollouts=list(rollouts))

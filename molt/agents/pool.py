@@ -5,6 +5,10 @@ actor trains. Admission is by credits: it starts a group only while it holds a c
 loop hands a credit back for every group it popped, after the weight sync that follows.
 So at most (max_lag + 1) * groups_per_step groups exist between two syncs, which bounds how
 stale a trained token can be (max_lag=0 is synchronous on-policy RL).
+
+Engines that die (engine.max_restarts > 0): the router reports an engine's first failure, as (name,
+incarnation) on the `reports` queue; the driver replaces it (molt/fleet.py) and calls `engine_up`; the
+rollouts that were on it start again from scratch, those not yet started wait for a live engine.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import traceback
 
 import ray
 
-from molt.agents import MODES, load_agent
+from molt.agents import load_agent, run_group
 from molt.data import DataStream, load_jsonl
 from molt.rollout.engine import EngineClient
 from molt.rollout.router import Router
@@ -29,17 +33,18 @@ def sampling_params(rollout_cfg, temperature=None) -> dict:
 
 @ray.remote(num_cpus=0)
 class RolloutWorker:
-    def __init__(self, cfg, engines: list[EngineClient], queue, model_dir: str, initial_credits: int):
+    def __init__(self, cfg, engines: list[EngineClient], queue, model_dir: str, initial_credits: int, reports=None):
         from transformers import AutoTokenizer
 
         self.cfg, self.queue = cfg, queue
-        self.router = Router(engines)  # clients pickle as (name, url, timeout, key): fresh connections here
+        self.reports, self.retry = reports, reports is not None  # the driver replaces dead engines: retry rollouts
+        # clients pickle as (name, url, timeout, key): fresh connections here
+        self.router = Router(engines, seed=cfg.rollout.seed, on_down=self._engine_down if self.retry else None)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.run_group = MODES[cfg.agent.mode].run_group
         self.agent = load_agent(cfg.agent.mode, importlib.import_module(cfg.agent.module))
         self.stream = DataStream(load_jsonl(cfg.task.train_path), seed=cfg.seed)
         self.credits, self.wake = initial_credits, asyncio.Event()
-        self.task = None
+        self.task, self.reporting = None, set()
 
     async def start(self, position: int = 0) -> None:
         self.stream.skip_to(position)
@@ -48,6 +53,14 @@ class RolloutWorker:
     async def grant(self, n: int) -> None:
         self.credits += n
         self.wake.set()
+
+    def _engine_down(self, name: str, epoch: int) -> None:
+        report = asyncio.get_running_loop().create_task(self.reports.put_async((name, epoch)))
+        self.reporting.add(report)  # the event loop keeps only a weak reference to a task
+        report.add_done_callback(self.reporting.discard)
+
+    async def engine_up(self, name: str) -> None:
+        await self.router.up(name)
 
     async def _run(self) -> None:
         inflight: set[asyncio.Task] = set()
@@ -71,9 +84,9 @@ class RolloutWorker:
 
     async def _group(self, index: int, sample: dict):
         t0 = time.time()
-        group = await self.run_group(self.router, self.tokenizer, self.agent, sample, f"g{index}",
+        group = await run_group(self.cfg.agent.mode, self.router, self.tokenizer, self.agent, sample, f"g{index}",
                                 self.cfg.rollout.n, self.cfg.agent, sampling_params(self.cfg.rollout),
-                                release=self.router.release)
+                                release=self.router.release, retry=self.retry)
         group.index = index
         group.timing = (t0, time.time())
         await self.queue.put_async(("group", group))
@@ -84,8 +97,8 @@ class RolloutWorker:
         rows = load_jsonl(path)[:max_samples]
         sampling = sampling_params(self.cfg.rollout, temperature)
         groups = await asyncio.gather(*[
-            self.run_group(self.router, self.tokenizer, self.agent, row, f"eval{i}", 1, self.cfg.agent,
-                           sampling, release=self.router.release)
+            run_group(self.cfg.agent.mode, self.router, self.tokenizer, self.agent, row, f"eval{i}", 1, self.cfg.agent,
+                      sampling, release=self.router.release, retry=self.retry)
             for i, row in enumerate(rows)])
         rollouts = [r for g in groups for r in g.rollouts]
         rewards = [r.reward for r in rollouts if r.status != "failed"]

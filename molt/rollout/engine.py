@@ -183,6 +183,16 @@ class EngineServer:
         raise TimeoutError(f"engine {self.name} not healthy after {timeout:.0f} s (raise engine.startup_timeout_s "
                            f"if the machine is just slow); last lines of {self.log_path}:\n{_log_tail(self.log_path)}")
 
+    def restart(self) -> None:
+        """Stop what is left of a dead engine (an orphaned EngineCore too) and start it again, on the same socket or
+        port, from the model directory (version 0 weights: the caller syncs it); wait until it is healthy."""
+        self.stop(grace_s=5.0)
+        self.proc = None
+        if self.sock_dir:  # a killed server leaves its socket file behind, and binding to it fails
+            Path(self.url.removeprefix("unix:")).unlink(missing_ok=True)
+        self.start()
+        self.wait_healthy(self.cfg.startup_timeout_s)
+
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM the whole group, SIGKILL what is left after `grace_s`; vLLM's children go too."""
         if self.proc is None:
@@ -282,11 +292,15 @@ class EngineClient:
 
     async def generate_n(self, token_ids: list[int], max_tokens: int, n: int, temperature: float = 1.0,
                          top_p: float = 1.0, top_k: int = -1, stop_token_ids: list[int] | None = None,
-                         features: dict | None = None) -> list[Completion]:
+                         features: dict | None = None, seed: int | None = None) -> list[Completion]:
         """n independent samples from one prompt in one request (one API-server round trip, not n). `features`:
-        the images of the prompt as the engine's render endpoint returned them (molt/agents/images.py)."""
+        the images of the prompt as the engine's render endpoint returned them (molt/agents/images.py). `seed`:
+        sample i draws from its own generator seeded with seed + i (vLLM's parallel sampling), whatever else the
+        engine is running: the same as n requests of n=1 seeded seed, seed + 1, ..."""
         sp = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, n=n,
                   stop_token_ids=stop_token_ids or [], logprobs=0, detokenize=False)
+        if seed is not None:
+            sp["seed"] = seed
         body = {"token_ids": token_ids, "sampling_params": sp} | ({"features": features} if features else {})
         out = await self._call("POST", "/inference/v1/generate", json=body)
         assert len(out["choices"]) == n, f"engine {self.name}: asked for {n} samples, got {len(out['choices'])}"
@@ -390,7 +404,9 @@ async def sync_weights(clients: list[EngineClient], state_dict: dict[str, torch.
     weights_dir = Path(tempfile.mkdtemp(prefix=f"molt-sync-v{version}-", dir=sync_dir))
     try:
         write_checkpoint(state_dict, weights_dir)
-        await asyncio.gather(*(_reload_one(c, weights_dir, version) for c in clients))
+        done = await asyncio.gather(*(_reload_one(c, weights_dir, version) for c in clients), return_exceptions=True)
+        for failure in (d for d in done if isinstance(d, BaseException)):  # once every other engine is resumed
+            raise failure
     finally:
         shutil.rmtree(weights_dir, ignore_errors=True)
     return time.perf_counter() - t0

@@ -20,7 +20,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from molt.agents import load_agent
-from molt.agents.chat_agent import run_chat_group, run_chat_rollout
+from molt.agents import run_group
+from molt.agents.chat_agent import run_chat_rollout
 from molt.agents.chat_server import close_session, open_session, shared_server, stop_shared_server
 from molt.assets import ensure_model
 from molt.config import AgentConfig, EngineConfig
@@ -127,7 +128,7 @@ def assert_token_exact(rollout, calls: list[tuple[list[int], Completion]], cut: 
 
 
 def group(loop, generate, tok, agent, n=1, cfg=CFG, sampling=None, sample=SAMPLE, gid="g"):
-    return run(loop, run_chat_group(generate, tok, agent, sample, gid, n, cfg, sampling or {"temperature": 1.0}))
+    return run(loop, run_group("chat", generate, tok, agent, sample, gid, n, cfg, sampling or {"temperature": 1.0}))
 
 
 # ---- OpenAI ----
@@ -372,7 +373,7 @@ def test_64_concurrent_sessions_stay_isolated(loop, client, tok, stops):
         return float(ctx.rollout_id.split("/")[1])
 
     async def many():
-        return await asyncio.gather(*(run_chat_group(rec, tok, agent, SAMPLE, f"iso{g}", 8, CFG,
+        return await asyncio.gather(*(run_group("chat", rec, tok, agent, SAMPLE, f"iso{g}", 8, CFG,
                                                      {"temperature": 1.0, "stop_token_ids": stops}) for g in range(8)))
 
     groups = run(loop, many())
@@ -541,15 +542,14 @@ def test_calculator_chat_agent_and_env_agree(loop, client, tok):
     from experiments.calculator import agent as calc_agent
     from experiments.calculator import env as calc_env
     from experiments.calculator.task import reward
-    from molt.agents.env import run_group
 
     sample = {"messages": [{"role": "user", "content": "What is 23 + 58?"}], "answer": "81"}
     call = r'<tool_call>\n\{"name": "calculator", "arguments": \{"expression": "23 \+ 58"\}\}\n</tool_call>'
     regexes, greedy = [call, r"8[0-9]"], {"temperature": 0.0}
     cfg = AgentConfig(mode="chat", max_turns=3, max_tokens_per_turn=100, max_total_tokens=512)
-    chat = run(loop, run_chat_group(constrained(client, regexes, greedy=True), tok, load_agent("chat", calc_agent), sample,
+    chat = run(loop, run_group("chat", constrained(client, regexes, greedy=True), tok, load_agent("chat", calc_agent), sample,
                                     "calc", 1, cfg, greedy)).rollouts[0]
-    env = run(loop, run_group(constrained(client, regexes, greedy=True), tok, calc_env.make_env, sample, "calc", 1,
+    env = run(loop, run_group("env", constrained(client, regexes, greedy=True), tok, calc_env.make_env, sample, "calc", 1,
                               cfg, greedy)).rollouts[0]
     assert (chat.status, env.status, chat.info["used_tool"], chat.info["turns"]) == ("ok", "ok", 1.0, 2.0)
     answer = tok.decode([t for t, m in zip(chat.segments[0].token_ids, chat.segments[0].loss_mask) if m][-3:],
@@ -566,6 +566,6 @@ def test_calculator_chat_agent_with_the_policy(loop, client, tok):
     rows = [json.loads(line) for line in open("experiments/calculator/data/train.jsonl")][:2]
     cfg = AgentConfig(mode="chat", max_turns=3, max_tokens_per_turn=16, max_total_tokens=512)
     for i, row in enumerate(rows):
-        g = run(loop, run_chat_group(Router([client]).generate, tok, load_agent("chat", calc_agent), row, f"c{i}", 4, cfg,
+        g = run(loop, run_group("chat", Router([client]).generate, tok, load_agent("chat", calc_agent), row, f"c{i}", 4, cfg,
                                      {"temperature": 1.0}))
         assert all(r.status == "ok" and 0.0 <= r.reward <= 1.0 and r.info["turns"] >= 1 for r in g.rollouts)

@@ -1,12 +1,15 @@
 """Env mode: chat-template deltas, the quickstart reward, and rollouts against a real vLLM engine."""
 import asyncio
+import os
+import signal
 
 import pytest
 from transformers import AutoTokenizer
 
 from experiments.quickstart import task
 from experiments.quickstart.task import make_env, reward, target
-from molt.agents.env import TemplateError, render_delta, render_prompt, run_env_rollout, run_group
+from molt.agents.env import TemplateError, render_delta, render_prompt, run_env_rollout
+from molt.agents import run_group
 from molt.assets import ensure_model
 from molt.config import AgentConfig, EngineConfig
 from molt.rollout.engine import EngineClient, EngineDied, free_port, launch_engines
@@ -234,7 +237,7 @@ def test_env_failures_fail_the_rollout_not_the_group(router, tok):
         return env
 
     cfg = AgentConfig(max_turns=3, max_tokens_per_turn=8, max_total_tokens=400)
-    group = run(run_group(router.generate, tok, mk, SAMPLE, "g4", 4, cfg, {"stop_token_ids": stop_ids(tok)},
+    group = run(run_group("env", router.generate, tok, mk, SAMPLE, "g4", 4, cfg, {"stop_token_ids": stop_ids(tok)},
                           release=router.release))
     assert not any(k.startswith("g4/") for k in router.assigned)  # stickiness released, failed ones too
     assert [r.rollout_id for r in group.rollouts] == [f"g4/{i}" for i in range(4)]
@@ -255,12 +258,46 @@ def test_template_errors_are_fatal_not_failed_rollouts(router, model_dir):
 def test_engine_errors_propagate(tok):
     dead = Router([EngineClient("gone", f"http://127.0.0.1:{free_port()}", 5.0)])
     with pytest.raises(EngineDied):
-        run(run_group(dead.generate, tok, lambda s: TurnsEnv(s), SAMPLE, "g5", 2, AgentConfig(), {}))
+        run(run_group("env", dead.generate, tok, lambda s: TurnsEnv(s), SAMPLE, "g5", 2, AgentConfig(), {}))
+
+
+def test_rollouts_whose_engine_dies_start_again_from_scratch(model_dir, tok, tmp_path):
+    """retry=True (engine.max_restarts > 0): the engine is killed mid-generation, the router reports it once and holds
+    new requests, the engine is replaced, and every rollout starts again: no partial trajectory survives. Seeded, the
+    retried group draws exactly what a fresh run of the group draws from the same weights."""
+    cfg = AgentConfig(max_turns=3, max_tokens_per_turn=200, max_total_tokens=700)  # long turns: killed mid-request
+    reports = []
+    with launch_engines(EngineConfig(), model_dir, tmp_path) as servers:
+        server = servers[0]
+        router = Router([server.client(60.0)], seed=5, on_down=lambda name, epoch: reports.append((name, epoch)))
+
+        def group(gid):
+            return run_group("env", router, tok, TurnsEnv, SAMPLE, gid, 4, cfg, {"temperature": 1.0},
+                             release=router.release, retry=True)
+
+        async def main():
+            task = asyncio.create_task(group("g9"))
+            while not sum(router.inflight.values()):
+                await asyncio.sleep(0.005)
+            os.killpg(server.proc.pid, signal.SIGKILL)  # the API server and its EngineCore
+            while not reports:
+                await asyncio.sleep(0.05)
+            server.restart()  # blocking: the rollouts wait in the router meanwhile
+            await router.up(server.name)
+            retried = await task
+            return retried, await group("g9")
+
+        retried, fresh = run(main())
+    assert reports == [("engine0", 0)]
+    assert [r.info["retried"] for r in retried.rollouts] == [1.0] * 4 and [r.info["retried"] for r in fresh.rollouts] == [0.0] * 4
+    assert "failed" not in [r.status for r in retried.rollouts]
+    assert [(r.status, r.segments[0].token_ids) for r in retried.rollouts] == \
+        [(r.status, r.segments[0].token_ids) for r in fresh.rollouts]
 
 
 def test_quickstart_rollouts_score_the_decoded_engine_ids(router, tok):
     row = {"messages": [{"role": "user", "content": "Count up from 7:"}], "answer": "7890"}
-    group = run(run_group(router.generate, tok, task.make_env, row, "g6", 4, AgentConfig(), {"temperature": 1.0}))
+    group = run(run_group("env", router.generate, tok, task.make_env, row, "g6", 4, AgentConfig(), {"temperature": 1.0}))
     assert group.sample is row and len(group.rollouts) == 4
     for r in group.rollouts:
         seg = r.segments[0]

@@ -21,7 +21,8 @@ from molt.actor import vision
 from molt.actor.actor import Actor
 from molt.agents import images
 from molt.agents.chat_agent import run_chat_rollout
-from molt.agents.env import run_env_rollout, run_group
+from molt.agents.env import run_env_rollout
+from molt.agents import run_group
 from molt.assets import VL_IMAGE, ensure_model
 from molt.config import AgentConfig, EngineConfig, TrainConfig
 from molt.rollout.engine import EngineClient, launch_engines, sync_weights, verify_sync
@@ -158,7 +159,7 @@ def test_bad_images_fail_only_their_rollout(router, tok, reason):
     content = [openai_part(png(5))] * 3 if reason == "too_many" else [BAD[reason]]
     sample = {"messages": [{"role": "user", "content": content + [{"type": "text", "text": "x"}]}]}
     cfg = AgentConfig(max_tokens_per_turn=4, image_max_pixels=200 * 200, image_max_per_prompt=2)
-    group = asyncio.run(run_group(router, tok, Bad, sample, "gb", 2, cfg, {"temperature": 1.0}))
+    group = asyncio.run(run_group("env", router, tok, Bad, sample, "gb", 2, cfg, {"temperature": 1.0}))
     for ro in group.rollouts:
         assert ro.status == "failed" and ro.info[f"failed/image_{reason}"] == 1.0 and ro.info["failed"] == 1.0
     good = asyncio.run(run_env_rollout(router, tok, Bad, {"messages": [user("ok", openai_part(png(6)))]}, "ok", "g",

@@ -73,3 +73,45 @@ def test_identical_requests_in_one_tick_share_one_engine_request(engine):
     assert sorted(calls) == [(tuple(PROMPT), 8), (tuple(PROMPT + [5]), 1)]
     assert len({tuple(o.token_ids) for o in outs[:8]}) > 1, "n independent samples, not one copied"
     assert all(len(o.token_ids) == len(o.logprobs) > 0 for o in outs) and load == {"a": 0}
+
+
+def test_seeded_samples_are_the_same_coalesced_or_alone(engine):
+    """rollout.seed: sample i of a coalesced request draws what rollout i draws alone (vLLM seeds sample k with
+    seed + k); the next turn and another group draw afresh."""
+    async def main():
+        key = engine.api_key
+        together = Router([EngineClient("a", engine.url, api_key=key)], seed=11)
+        batch = await asyncio.gather(*(together.generate(f"g1/{i}", PROMPT, 12, temperature=1.0) for i in range(4)))
+        second_turn = await together.generate("g1/0", PROMPT, 12, temperature=1.0)
+        alone = Router([EngineClient("b", engine.url, api_key=key)], seed=11)
+        singles = [await alone.generate(f"g1/{i}", PROMPT, 12, temperature=1.0) for i in (3, 1, 0, 2)]
+        other_group = await alone.generate("g2/0", PROMPT, 12, temperature=1.0)
+        return batch, second_turn, singles, other_group
+
+    batch, second_turn, singles, other_group = run(main())
+    ids = [o.token_ids for o in batch]
+    assert len({tuple(t) for t in ids}) == 4, "four different samples"
+    assert [o.token_ids for o in singles] == [ids[3], ids[1], ids[0], ids[2]]
+    assert all(abs(a - b) < 1e-5 for o, s in zip(batch, [singles[2], singles[1], singles[3], singles[0]])
+               for a, b in zip(o.logprobs, s.logprobs))
+    assert second_turn.token_ids != ids[0] and other_group.token_ids != ids[0]
+
+
+def test_requests_wait_for_the_replacement_of_a_dead_engine(engine):
+    """With on_down, an engine's failure is reported once per incarnation; later requests wait for up(name)."""
+    async def main():
+        reports = []
+        client = EngineClient("x", f"http://127.0.0.1:{free_port()}", 5.0)
+        router = Router([client], on_down=lambda name, epoch: reports.append((name, epoch)))
+        with pytest.raises(EngineDied):
+            await router.generate("r0", PROMPT, 4)
+        waiting = asyncio.create_task(router.generate("r1", PROMPT, 4))
+        await asyncio.sleep(1.0)
+        held = not waiting.done()
+        client.url, client.api_key = engine.url, engine.api_key  # the replacement, at the same name
+        await router.up("x")
+        out = await asyncio.wait_for(waiting, 60)
+        return reports, held, out, router.epoch
+
+    reports, held, out, epoch = run(main())
+    assert reports == [("x", 0)] and held and len(out.token_ids) > 0 and epoch == {"x": 1}

@@ -1,0 +1,109 @@
+"""The run's engines as the loop drives them: verified weight sync, and replacement of engines that die.
+
+    fleet = Fleet(servers, cfg, actor, aio)     # servers: from launch_engines
+    probe = fleet.sync(version, probe_segment)  # the actor's weights into every engine, checked on one
+    fleet.check()                               # restart engines that died (polled while the loop waits)
+
+An engine dies when its process exits or the rollout worker sees it fail (a refused or reset connection, a 5xx,
+a timeout: EngineDied; the worker reports it on `fleet.reports`). It is restarted from config on its own socket
+or port, given the current weights and version, verified with the log-prob probe and handed back to the worker
+(`engine_up`), which starts the rollouts that were on it again (molt/agents/pool.py). More than
+engine.max_restarts restarts within engine.restart_window_s stop the run with EngineDied.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from queue import Empty
+
+import ray
+from ray.util.queue import Queue
+
+from molt.agents import images
+from molt.rollout.engine import EngineDied, sync_weights, verify_sync
+from molt.types import Segment
+
+log = logging.getLogger(__name__)
+
+
+class Fleet:
+    def __init__(self, servers, cfg, actor, aio: asyncio.AbstractEventLoop):
+        self.servers = {s.name: s for s in servers}
+        self.clients = {s.name: s.client() for s in servers}
+        self.cfg, self.actor, self.aio = cfg, actor, aio
+        self.version, self.probe = 0, Segment()
+        self.probe.append(list(range(1, 17)))  # until a step gives a real one: any ids score the weights
+        self.epoch = dict.fromkeys(self.servers, 0)  # incarnation of each engine
+        self.restarts: deque[float] = deque()  # when, within the window
+        self.total = 0
+        self.reports = Queue() if cfg.engine.max_restarts > 0 else None  # (name, incarnation) from the worker
+        self.worker = None  # the rollout worker, told when an engine is back
+
+    def sync(self, version: int, probe: Segment | None = None) -> float:
+        """Weights `version` into every engine, then the max |engine - actor| log-prob on `probe` (a segment,
+        images included) on one of them; an engine that dies meanwhile is replaced, and synced, instead."""
+        self.version, self.probe = version, probe or self.probe
+        while True:
+            self.check()
+            try:
+                return self.aio.run_until_complete(self._push(list(self.clients.values())))
+            except EngineDied as e:
+                self.restart(e.name, e.detail)
+
+    async def _push(self, clients) -> float:
+        if self.version:  # a fresh engine serves version 0, the model directory's weights
+            await sync_weights(clients, self.actor.export_weights(), self.version, self.cfg.engine.sync_dir)
+        expected = self.actor.logprobs([self.probe], self.cfg.rollout.temperature)[0][1:]
+        features = await images.engine_features(clients[0], self.probe.images)  # an image prompt probes the vision tower
+        return await verify_sync(clients[0], self.probe.token_ids, expected, tol=self.cfg.engine.probe_tol, **features)
+
+    def check(self) -> None:
+        """Restart every engine whose process exited, and every engine the worker reported, unless that incarnation
+        was replaced already."""
+        for name, server in self.servers.items():
+            if not server.alive():
+                self.restart(name, f"the engine process exited (code {server.proc.returncode})")
+        while self.reports is not None:
+            try:
+                name, epoch = self.reports.get_nowait()
+            except Empty:
+                return
+            if epoch == self.epoch[name]:
+                self.restart(name, "a request to it failed (see the engine log)")
+
+    def restart(self, name: str, why: str) -> None:
+        e = self.cfg.engine
+        now = time.monotonic()
+        while self.restarts and now - self.restarts[0] > e.restart_window_s:
+            self.restarts.popleft()
+        if len(self.restarts) >= e.max_restarts:
+            raise EngineDied(name, f"{why}; {len(self.restarts)} restart(s) within engine.restart_window_s="
+                                   f"{e.restart_window_s:g} already (engine.max_restarts={e.max_restarts}); "
+                                   f"see its log under engines/")
+        self.restarts.append(now)
+        self.total += 1
+        log.warning("engine %s died (%s): restarting it (%d of engine.max_restarts=%d within %g s)", name, why,
+                    len(self.restarts), e.max_restarts, e.restart_window_s)
+        self.servers[name].restart()
+        self.epoch[name] += 1
+        client = self.clients[name]
+        self.aio.run_until_complete(client.aclose())  # pooled connections belong to the dead server
+        try:
+            self.aio.run_until_complete(self._push([client]))
+        except EngineDied as again:
+            return self.restart(name, again.detail)
+        if self.worker is not None:
+            ray.get(self.worker.engine_up.remote(name))
+        log.warning("engine %s is back, at version %d", name, self.version)
+
+    def wait(self, ref):
+        """ray.get(ref), restarting engines that die meanwhile (the worker's rollouts wait for them)."""
+        while not ray.wait([ref], timeout=2.0)[0]:
+            self.check()
+        return ray.get(ref)
+
+    def close(self) -> None:
+        for c in self.clients.values():
+            self.aio.run_until_complete(c.aclose())
