@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shlex
 import signal
 import socket
@@ -206,7 +207,8 @@ def launch(launcher, job_overrides, initial_job_idx: int):
     for overrides, num in zip(job_overrides, nums):
         check_job(launcher, list(overrides), num)
     executor = submitit.AutoExecutor(folder=launcher.params["submitit_folder"], cluster="slurm",
-                                     slurm_max_num_timeout=cfg.cluster.max_requeue)
+                                     slurm_max_num_timeout=cfg.cluster.max_requeue,
+                                     slurm_python=cfg.cluster.python or None)  # None: sys.executable
     executor.update_parameters(name=cfg.name, **slurm_params(cfg.cluster))
     done = [JobReturn(overrides=list(o), status=JobStatus.COMPLETED) for o in job_overrides]
     if cfg.dry_run:
@@ -214,6 +216,8 @@ def launch(launcher, job_overrides, initial_job_idx: int):
         print(sbatch_script(executor, len(done)))
         return done
     Path(str(cfg.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
+    if os.environ.get("RAY_AUTH_MODE", "token") == "token":  # the jobs' Ray clusters (allocation) accept only
+        os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))  # this token: in the job's environment only
     args = [(list(o), "hydra.sweep.dir", n, f"job_id_for_{n}", Singleton.get_state()) for o, n in zip(job_overrides, nums)]
     jobs = executor.map_array(launcher, *zip(*args))
     for job, overrides in zip(jobs, job_overrides):

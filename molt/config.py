@@ -75,6 +75,8 @@ class EngineConfig:
     request_timeout_s: float = 120.0
     sync: str = "reload"  # weight sync path: reload (CPU) | nccl (GPU clusters)
     sync_dir: str = "/dev/shm"  # where `reload` writes safetensors
+    pause_mode: str = "wait"  # weight sync: wait (requests in flight finish first) | keep (they freeze and go on
+    # under the new weights, each token labelled with its version; needs is_correction)
     probe_tol: float = 1e-3  # max |engine - actor| log-prob on the probe after each sync (bf16 GPU engines differ more)
     base_port: int = 0  # 0 = pick free loopback ports
     uds: bool = True  # serve each engine on a Unix socket in a 0700 directory (false: TCP on 127.0.0.1, base_port)
@@ -90,6 +92,7 @@ class RolloutConfig:
     top_k: int = -1
     max_inflight_groups: int = 32
     max_lag: int = 1  # staleness bound in weight versions (0 = synchronous on-policy)
+    sticky: bool = True  # every request of a rollout to the engine of its first (its prefix is cached there)
     seed: Optional[int] = None  # seed every sampled request from (seed, group, turn, sample): the same weights and
     # data give the same tokens on any engine, after a retry or a resume (None = the engines' own randomness)
 
@@ -169,6 +172,8 @@ class ClusterConfig:
     gpu_memory_gib: float = 80.0  # per GPU; the dry-run planner flags a layout that needs more
     max_gpus_per_node: int = 0  # what the cluster's nodes have; gpus_per_node above it fails before submission
     tasks_per_node: int = 1  # Slurm tasks per node; each task is one Ray node
+    engine_tasks: list[int] = field(default_factory=list)  # the Slurm task of each engine ([] = all on task 0,
+    # beside the loop); an engine elsewhere runs in a Ray actor there, reached through Ray (rollout/engine.py)
     cpus_per_task: int = 0
     mem_gb: int = 0  # per node
     partition: str = ""
@@ -177,6 +182,7 @@ class ClusterConfig:
     constraint: str = ""
     time_min: int = 60  # the job's time limit
     max_requeue: int = 3  # times a preempted or timed-out job is requeued (it resumes from its last checkpoint)
+    python: str = ""  # the interpreter that runs each task ("" = this one's path); in an image, the image's own
     container_image: str = ""  # run every task in this image (a path or a registry reference)
     container_srun_args: list[str] = field(default_factory=lambda: ["--container-image={image}"])  # pyxis/enroot
     setup: list[str] = field(default_factory=list)  # shell lines run in the batch script before srun

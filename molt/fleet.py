@@ -38,6 +38,7 @@ class Fleet:
         self.epoch = dict.fromkeys(self.servers, 0)  # incarnation of each engine
         self.restarts: deque[float] = deque()  # when, within the window
         self.total = 0
+        self.cache: dict[str, tuple[float, float]] = {}  # prefix-cache (hits, lookups) counters at the last step
         self.reports = Queue() if cfg.engine.max_restarts > 0 else None  # (name, incarnation) from the worker
         self.worker = None  # the rollout worker, told when an engine is back
 
@@ -54,7 +55,8 @@ class Fleet:
 
     async def _push(self, clients) -> float:
         if self.version:  # a fresh engine serves version 0, the model directory's weights
-            await sync_weights(clients, self.actor.export_weights(), self.version, self.cfg.engine.sync_dir)
+            e = self.cfg.engine
+            await sync_weights(clients, self.actor.export_weights(), self.version, e.sync_dir, e.pause_mode)
         expected = self.actor.logprobs([self.probe], self.cfg.rollout.temperature)[0][1:]
         features = await images.engine_features(clients[0], self.probe.images)  # an image prompt probes the vision tower
         return await verify_sync(clients[0], self.probe.token_ids, expected, tol=self.cfg.engine.probe_tol, **features)
@@ -64,7 +66,7 @@ class Fleet:
         was replaced already."""
         for name, server in self.servers.items():
             if not server.alive():
-                self.restart(name, f"the engine process exited (code {server.proc.returncode})")
+                self.restart(name, f"the engine process exited (code {server.exit_code()})")
         while self.reports is not None:
             try:
                 name, epoch = self.reports.get_nowait()
@@ -98,6 +100,18 @@ class Fleet:
             ray.get(self.worker.engine_up.remote(name))
         log.warning("engine %s is back, at version %d", name, self.version)
 
+    def cache_metrics(self) -> dict[str, float]:
+        """engine/prefix_cache_hit_rate: prefix-cache hits / lookups (tokens) of all engines since the last call, from
+        their Prometheus counters ({} when nothing was looked up)."""
+        hits = queries = 0.0
+        for name, client in self.clients.items():
+            h, q = self.aio.run_until_complete(_cache_counters(client))
+            h0, q0 = self.cache.get(name, (0.0, 0.0))
+            if h < h0 or q < q0:  # a restarted engine counts from 0 again
+                h0 = q0 = 0.0
+            hits, queries, self.cache[name] = hits + h - h0, queries + q - q0, (h, q)
+        return {"engine/prefix_cache_hit_rate": hits / queries} if queries else {}
+
     def wait(self, ref):
         """ray.get(ref), restarting engines that die meanwhile (the worker's rollouts wait for them)."""
         while not ray.wait([ref], timeout=2.0)[0]:
@@ -107,3 +121,15 @@ class Fleet:
     def close(self) -> None:
         for c in self.clients.values():
             self.aio.run_until_complete(c.aclose())
+
+
+async def _cache_counters(client) -> tuple[float, float]:
+    status, text = await client.send("GET", "/metrics")
+    if status != 200:  # an engine that died meanwhile: check() replaces it
+        return 0.0, 0.0
+    totals = {"vllm:prefix_cache_hits_total": 0.0, "vllm:prefix_cache_queries_total": 0.0}
+    for line in text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name in totals:
+            totals[name] += float(line.split()[-1])
+    return tuple(totals.values())

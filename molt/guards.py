@@ -244,11 +244,30 @@ def sync_path(cfg, hf):
                 "loop yet: use engine.sync=reload (dry_run=true still plans it)")
     if cfg.engine.probe_tol <= 0:
         return f"engine.probe_tol={cfg.engine.probe_tol}: the sync probe's tolerance must be > 0"
+    if cfg.engine.pause_mode not in ("wait", "keep"):
+        return f"engine.pause_mode={cfg.engine.pause_mode!r} is unknown: use wait or keep"
+    if cfg.engine.pause_mode == "keep" and cfg.is_correction.level == "off":
+        return ("engine.pause_mode=keep lets a reply continue under new weights, so one sequence can mix weight "
+                "versions: set is_correction.level=token (or seq/geo) to correct each token by its own behaviour "
+                "log-prob, or use engine.pause_mode=wait")
+
+
+NODE_LOCAL = ("/dev/shm", "/tmp", "/run", "/var/tmp")  # directories no other node sees
 
 
 def engines(cfg, hf):
-    if cfg.engine.num_engines < 1:
-        return f"engine.num_engines={cfg.engine.num_engines}: at least one rollout engine is needed"
+    e, c = cfg.engine, cfg.cluster
+    if e.num_engines < 1:
+        return f"engine.num_engines={e.num_engines}: at least one rollout engine is needed"
+    tasks = c.num_nodes * c.tasks_per_node if c.launcher == "slurm" else 1
+    if c.engine_tasks and (len(c.engine_tasks) != e.num_engines or not all(0 <= t < tasks for t in c.engine_tasks)):
+        return (f"cluster.engine_tasks={list(c.engine_tasks)}: name one Slurm task in [0, {tasks}) per engine "
+                f"(engine.num_engines={e.num_engines}; tasks = cluster.num_nodes*tasks_per_node on Slurm, 1 locally)")
+    far = [t for t in c.engine_tasks if t // c.tasks_per_node != 0]  # engines on another node than the loop's
+    if far and e.sync == "reload" and str(e.sync_dir).startswith(NODE_LOCAL):
+        return (f"cluster.engine_tasks puts an engine on Slurm task {far[0]} (node {far[0] // c.tasks_per_node}), "
+                f"which cannot read engine.sync_dir={e.sync_dir} on the loop's node: set engine.sync_dir to a "
+                "directory of a shared filesystem (e.g. engine.sync_dir=${output_dir}/sync)")
 
 
 def context_fits(cfg, hf):
@@ -354,7 +373,8 @@ def container_image(cfg, hf):
     image = cfg.cluster.container_image
     if cfg.cluster.launcher == "slurm" and image.startswith(("/", ".", "~")) and not Path(image).expanduser().exists():
         return (f"cluster.container_image={image} does not exist: build or copy the image there, or name a "
-                "registry image (e.g. nvcr.io/nvidia/pytorch:25.01-py3), or set cluster.container_image='' for none")
+                "registry image in your runtime's syntax (pyxis: nvcr.io#nvidia/pytorch:25.01-py3), or set "
+                "cluster.container_image='' for none")
 
 
 def micro_batch_rows(cfg, hf):

@@ -51,8 +51,9 @@ def run(cfg) -> None:
     guards.check(cfg)  # again, now that the model exists: guards that read it (e.g. the opd teacher's tokenizer)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine request otherwise
     with contextlib.ExitStack() as stack:
-        engines = stack.enter_context(launch_engines(cfg.engine, model_dir, Path(cfg.output_dir) / "engines"))
         stack.enter_context(ray_session(cfg))
+        engines = stack.enter_context(launch_engines(cfg.engine, model_dir, Path(cfg.output_dir) / "engines",
+                                                     cfg.cluster.engine_tasks, cfg.cluster.gpus_per_node > 0))
         stack.enter_context(tracking.mlflow_run(cfg, derived(cfg), resume_run=cluster.requeued()))  # with the reaper (molt/reaper.py)
         train(cfg, model_dir, engines, stack.enter_context(stop_on_interrupt()))
 
@@ -87,7 +88,7 @@ def train(cfg, model_dir: Path, engines, stop: threading.Event) -> None:
         dump_rollouts(cfg, groups, prep.advantages, step)
         metrics |= maybe_eval(cfg, worker, fleet, step)
         metrics |= prep.metrics | rollout_metrics(groups, counts, version, probe) | clock.metrics()
-        metrics["engine/restarts"] = fleet.total
+        metrics |= {"engine/restarts": fleet.total} | fleet.cache_metrics()
         metrics["throughput/tokens_per_s"] = metrics["rollout/gen_tokens"] / metrics["time/step"]
         tracking.log_metrics(metrics, step)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step']:.2f}")
@@ -162,7 +163,7 @@ def ray_session(cfg):
     """A local Ray instance of our own, reachable only by this user: token auth with a per-run token (in the
     environment of its processes, never written to disk), every listener on loopback, and its session directory
     (sockets, logs) inside a 0700 directory. A Slurm launcher connects to its cluster instead."""
-    started = not ray.is_initialized()
+    started, on_sigterm = not ray.is_initialized(), signal.getsignal(signal.SIGTERM)
     if started and os.environ.get("MOLT_RAY_ADDRESS"):  # the job's Ray cluster on Slurm (molt.cluster.allocation)
         ray.init(address=os.environ["MOLT_RAY_ADDRESS"], log_to_driver=True)
     elif started:
@@ -178,6 +179,7 @@ def ray_session(cfg):
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 2), include_dashboard=False,
                  log_to_driver=True, _temp_dir=tmp)
         os.chmod(tmp, 0o700)  # Ray opens it to everyone (0777) as it starts
+    signal.signal(signal.SIGTERM, on_sigterm)  # ray.init's crash handler takes SIGTERM and aborts the driver
     try:
         yield
     finally:
@@ -288,7 +290,9 @@ def rollout_metrics(groups, counts, version: int, probe: float) -> dict:
     rollouts = [r for g in groups for r in g.rollouts]
     generated = sum(s.num_generated for r in rollouts for s in r.segments)
     starts, ends = zip(*(g.timing for g in groups))
-    return {"staleness/mean": sum(version - 1 - g.min_version for g in groups) / len(groups),
+    versions = [v for r in rollouts for s in r.segments for v, m in zip(s.versions, s.loss_mask) if m]
+    return {"staleness/mean": sum(version - 1 - g.min_version for g in groups) / len(groups),  # oldest token per group
+            "staleness/token_mean": sum(version - 1 - v for v in versions) / max(len(versions), 1),
             "rollout/failed": counts["failed"], "rollout/stale_dropped": counts["stale"],
             "rollout/retried": counts["retried"],
             "rollout/truncated": sum(r.status == "truncated" for r in rollouts),

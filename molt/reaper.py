@@ -2,16 +2,18 @@
 
     with watching(mlflow_uri, run_id): ...     # in the driver, once Ray and the MLflow run exist
 
-It is a separate process in its own session (no Ctrl-C, no process-group kill reaches it). Once a second it notes
-the driver's process tree; when the driver dies without saying goodbye (SIGKILL, OOM), it stops every process that
-tree held (Ray's GCS, raylet, workers, dashboard and runtime-env agents; engines die by their parent-death signal
-anyway) and marks the MLflow run KILLED. A clean exit says goodbye: the driver stops what it started itself.
+It is a separate process in its own session, not a child of the driver, deaf to SIGTERM, SIGINT and SIGHUP (a scancel signals every process of
+the job at once). Once a second it notes the driver's process tree; once the driver has exited, it stops every
+process that tree held and that still runs (Ray's GCS, raylet, workers, dashboard and runtime-env agents, a vLLM
+server waiting on its requests), and if the driver died without saying goodbye (SIGKILL, OOM, scancel) it marks
+the MLflow run KILLED. After a clean exit there is nothing left to stop: the driver stopped what it started.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import select
+import signal
 import subprocess
 import sys
 
@@ -21,33 +23,39 @@ import psutil
 @contextlib.contextmanager
 def watching(mlflow_uri: str, run_id: str):
     read, write = os.pipe()  # the driver holds the only write end (not inherited): EOF = the driver is gone
-    proc = subprocess.Popen([sys.executable, "-m", "molt.reaper", str(os.getpid()), mlflow_uri, run_id],
-                            stdin=read, start_new_session=True)
+    subprocess.run([sys.executable, "-m", "molt.reaper", str(os.getpid()), mlflow_uri, run_id], stdin=read,
+                   start_new_session=True, check=True)  # returns at once: the reaper lives on in a forked child
     os.close(read)
     try:
-        yield proc
+        yield
     finally:
-        os.write(write, b"bye")
-        os.close(write)
-        proc.wait(30)
+        os.write(write, b"bye")  # the run ended as the driver meant it to: leave its MLflow run alone
+        os.close(write)  # the reaper still stops whatever is left once the driver has exited (a kill mid-teardown)
 
 
-def _follow(driver: int) -> list[psutil.Process] | None:
-    """Every process the driver's tree held while it lived, once it is gone; None when it says goodbye."""
+def _follow(driver: int) -> tuple[bool, list[psutil.Process]]:
+    """Once the driver is gone: whether it said goodbye, and every process its tree held while it lived."""
     seen: dict[int, psutil.Process] = {}
+    goodbye = False
     while True:
         if select.select([sys.stdin], [], [], 1.0)[0]:
-            return None if os.read(sys.stdin.fileno(), 3) else list(seen.values())
+            if os.read(sys.stdin.fileno(), 3):
+                goodbye = True
+                continue
+            return goodbye, list(seen.values())
         try:
             seen |= {p.pid: p for p in psutil.Process(driver).children(recursive=True) if p.pid != os.getpid()}
         except psutil.NoSuchProcess:
-            return list(seen.values())
+            return goodbye, list(seen.values())
 
 
 def main(driver: int, mlflow_uri: str, run_id: str) -> None:
-    held = _follow(driver)
-    if held is None:
-        return
+    # a scheduler's SIGTERM (scancel) and a terminal's Ctrl-C reach this process too: it must outlive the driver
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    if os.fork():  # no child of the driver: a scheduler that kills the job's process tree (Slurm's proctrack/
+        os._exit(0)  # linuxproc after KillWait) kills the driver and its children, not this
+    goodbye, held = _follow(driver)
     orphans = [p for p in held if p.is_running()]  # is_running also checks the start time: no reused pid
     for p in orphans:
         with contextlib.suppress(psutil.Error):
@@ -55,7 +63,7 @@ def main(driver: int, mlflow_uri: str, run_id: str) -> None:
     for p in psutil.wait_procs(orphans, timeout=3)[1]:
         with contextlib.suppress(psutil.Error):
             p.kill()
-    if mlflow_uri:
+    if mlflow_uri and not goodbye:
         import mlflow
 
         client = mlflow.MlflowClient(tracking_uri=mlflow_uri)

@@ -43,15 +43,18 @@ class Segment:
     routed_experts: np.ndarray | None = None  # (len(token_ids), moe_layers, top_k), ROUTE_DTYPE
     images: list[Image] = field(default_factory=list)  # in token order, offsets into token_ids
 
-    def append(self, ids: list[int], generated: bool = False, logprobs=None, version: int = -1,
+    def append(self, ids: list[int], generated: bool = False, logprobs=None, version: int | list[int] = -1,
                images: list[Image] = ()) -> None:
-        """Append ids: prompt/observation tokens (mask 0) or engine output (mask 1); `images` have offsets into `ids`."""
+        """Append ids: prompt/observation tokens (mask 0) or engine output (mask 1) with the weight version of each
+        token (one for all, or one per token); `images` have offsets into `ids`."""
         assert not generated or (logprobs is not None and len(logprobs) == len(ids)), "generated tokens need their log-probs"
+        versions = list(version) if isinstance(version, list) else [version] * len(ids)
+        assert not generated or len(versions) == len(ids), "one weight version per generated token"
         self.images += [replace(im, offset=im.offset + len(self.token_ids)) for im in images]
         self.token_ids += ids
         self.loss_mask += [int(generated)] * len(ids)
         self.logprobs += list(logprobs) if generated else [0.0] * len(ids)
-        self.versions += [version if generated else -1] * len(ids)
+        self.versions += versions if generated else [-1] * len(ids)
 
     def check(self) -> None:
         n = len(self.token_ids)
@@ -93,9 +96,14 @@ class Completion:
 
     token_ids: list[int]
     logprobs: list[float]
-    version: int
+    version: int  # the oldest weight version among the tokens
     finish_reason: str  # stop | length | abort
     routed_experts: np.ndarray | None = None
+    versions: list[int] | None = None  # per token, when they differ (engine.pause_mode=keep: a sync mid-reply)
+
+    @property
+    def token_versions(self) -> list[int]:
+        return self.versions or [self.version] * len(self.token_ids)
 
 
 @dataclass

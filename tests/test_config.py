@@ -79,3 +79,12 @@ def test_cfg_job_prints_the_composed_run():
     cfg = OmegaConf.create(out.stdout)
     assert cfg.fsdp.ep_size == 2 and cfg.model.build == "tiny_moe" and cfg.estimator.name == "grpo"
     assert "hydra" not in cfg
+
+
+def test_the_installed_command_submits_from_any_directory(tmp_path):
+    """The `molt` console script (not `python -m molt` in the checkout) finds the Slurm launcher, hydra_plugins/, and a
+    Slurm run keeps cluster=slurm's own sweep directory (outputs/<name>/slurm/...)."""
+    out = subprocess.run([str(Path(sys.executable).parent / "molt"), "cluster=slurm", "cluster.partition=p",
+                          "dry_run=true"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "#SBATCH --partition=p" in out.stdout and f"{tmp_path}/outputs/molt/slurm/" in out.stdout

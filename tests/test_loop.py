@@ -125,8 +125,9 @@ def engine_processes(driver: int) -> list[psutil.Process]:
 
 def test_a_killed_engine_is_replaced_and_the_run_finishes(tmp_path):
     """Issue 11: both processes of the engine are killed mid-run; it is restarted, synced and verified, and the run
-    trains every step, with the restart counted."""
-    proc = start(tmp_path, "train.steps=5", "train.save_every=1", "engine.max_restarts=1",
+    trains every step, with the restart counted. (With in-flight weight updates, engine.pause_mode=keep.)"""
+    proc = start(tmp_path, "train.steps=5", "train.save_every=1", "engine.max_restarts=1", "engine.pause_mode=keep",
+                 "is_correction.level=token",
                  f"hydra.run.dir={tmp_path / 'run'}", f"checkpoint_dir={tmp_path / 'ckpt'}")
     try:
         wait_for_checkpoint(proc, tmp_path / "ckpt", 2)
@@ -144,6 +145,7 @@ def test_a_killed_engine_is_replaced_and_the_run_finishes(tmp_path):
     _, run, hist = history(tmp_path / "run")
     assert run.info.status == "FINISHED" and hist("version") == [1.0, 2.0, 3.0, 4.0, 5.0]
     assert hist("engine/restarts")[-1] == 1.0 and max(hist("sync/probe_abs_max")) <= 1e-4
+    assert len(hist("staleness/token_mean")) == 5
 
 
 def test_engine_death_stops_the_run_cleanly(tmp_path):
@@ -164,6 +166,10 @@ def test_engine_death_stops_the_run_cleanly(tmp_path):
     err = (tmp_path / "run.err").read_text()
     assert proc.returncode == 1
     assert "engine0" in err and "engine.max_restarts=0" in err and "Traceback" not in err.splitlines()[-1]
+    time.sleep(2)
+    assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], "no orphans"
+    last = checkpoint.latest(str(tmp_path / "ckpt"))
+    assert json.loads((last / "state.json").read_text())["step"] >= 1, "the last checkpoint is intact"
     time.sleep(2)
     assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], "no orphans"
     last = checkpoint.latest(str(tmp_path / "ckpt"))

@@ -175,7 +175,7 @@ def _record(s: Session, prompt: list[int], fresh: bool, ims: list[Image], c: Com
         s.segments.append(Segment())
     seg = s.segments[-1]
     seg.append(prompt[len(seg.token_ids):], images=images.shifted(ims[len(seg.images):], -len(seg.token_ids)))
-    seg.append(c.token_ids[:keep], generated=True, logprobs=c.logprobs[:keep], version=c.version)
+    seg.append(c.token_ids[:keep], generated=True, logprobs=c.logprobs[:keep], version=c.token_versions[:keep])
     seg.attach_routes(c.routed_experts)  # the prompt was this segment's prefix
 
 

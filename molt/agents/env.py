@@ -194,7 +194,7 @@ async def _drive(ro: Rollout, generate: Generate, tokenizer, make_env, sample: d
             break
         c = await generate(ro.rollout_id, list(seg.token_ids), budget, **sampling, **images.features(seg.images))
         assert c.token_ids, f"engine returned no tokens for rollout {ro.rollout_id}"
-        seg.append(list(c.token_ids), generated=True, logprobs=c.logprobs, version=c.version)
+        seg.append(list(c.token_ids), generated=True, logprobs=c.logprobs, version=c.token_versions)
         seg.attach_routes(c.routed_experts)  # the call covered the whole segment: its routes replace older ones
         ro.info["turns"] = turn + 1.0
         obs, reward, done = await _step(env, tokenizer.decode(c.token_ids, skip_special_tokens=True))

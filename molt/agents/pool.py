@@ -39,7 +39,8 @@ class RolloutWorker:
         self.cfg, self.queue = cfg, queue
         self.reports, self.retry = reports, reports is not None  # the driver replaces dead engines: retry rollouts
         # clients pickle as (name, url, timeout, key): fresh connections here
-        self.router = Router(engines, seed=cfg.rollout.seed, on_down=self._engine_down if self.retry else None)
+        self.router = Router(engines, seed=cfg.rollout.seed, on_down=self._engine_down if self.retry else None,
+                             sticky=cfg.rollout.sticky)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.agent = load_agent(cfg.agent.mode, importlib.import_module(cfg.agent.module))
         self.stream = DataStream(load_jsonl(cfg.task.train_path), seed=cfg.seed)

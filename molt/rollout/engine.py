@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import json
 import os
 import shutil
 import secrets
@@ -23,6 +24,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,6 +168,9 @@ class EngineServer:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def exit_code(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
     def wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -206,36 +211,142 @@ class EngineServer:
         self.proc.wait()
 
 
+class EngineHost:
+    """An engine on another node (cluster.engine_tasks), as a Ray actor on that node's Slurm task: it runs the server
+    there on a Unix socket in a 0700 directory and relays every request to it, so requests travel over Ray's
+    token-authenticated connections and nothing of the engine, its dev routes included, listens on the network."""
+
+    def __init__(self, name: str, cfg: EngineConfig, model_dir: str, log_dir: str, api_key: str):
+        self.server = EngineServer(name, cfg, model_dir, log_dir, api_key=api_key,
+                                   sock_dir=tempfile.mkdtemp(prefix="molt-engines-"))
+        self.server.start()  # Ray runs an actor's methods on one long-lived thread: the parent-death signal holds
+        self.server.wait_healthy(cfg.startup_timeout_s)
+        self.client = self.server.client()
+
+    async def request(self, method: str, path: str, kw: dict) -> tuple[int, str]:
+        return await self.client.send(method, path, **kw)
+
+    def exit_code(self) -> int | None:
+        return self.server.exit_code()
+
+    def alive(self) -> bool:
+        return self.server.alive()
+
+    def slurm_task(self) -> int | None:
+        return int(os.environ["SLURM_PROCID"]) if "SLURM_PROCID" in os.environ else None
+
+    async def restart(self) -> None:
+        await self.client.aclose()
+        self.server.restart()
+
+    def stop(self) -> None:
+        self.server.stop()
+        shutil.rmtree(self.server.sock_dir, ignore_errors=True)
+
+
+@dataclass
+class RemoteEngine:
+    """The driver's handle of an EngineHost: the EngineServer methods the loop uses, through Ray."""
+
+    name: str
+    cfg: EngineConfig
+    api_key: str = field(repr=False)
+    host: object = field(repr=False)
+    task: int = 0  # the Slurm task it runs on
+
+    def client(self, timeout_s: float | None = None) -> EngineClient:
+        return EngineClient(self.name, f"ray:{self.name}", timeout_s or self.cfg.request_timeout_s, self.api_key,
+                            host=self.host)
+
+    def _get(self, method: str):
+        import ray
+
+        return ray.get(getattr(self.host, method).remote())
+
+    def alive(self) -> bool:
+        import ray
+
+        try:
+            return self._get("alive")
+        except ray.exceptions.RayActorError:  # its node or actor is gone
+            return False
+
+    def exit_code(self) -> int | None:
+        import ray
+
+        try:
+            return self._get("exit_code")
+        except ray.exceptions.RayActorError as e:
+            raise EngineDied(self.name, f"its host on Slurm task {self.task} is gone: {e}") from e
+
+    def restart(self) -> None:
+        self._get("restart")
+
+    def stop(self) -> None:
+        import ray
+
+        with contextlib.suppress(ray.exceptions.RayActorError):
+            self._get("stop")
+
+
 @contextmanager
-def launch_engines(cfg: EngineConfig, model_dir: str | Path, log_dir: str | Path) -> Iterator[list[EngineServer]]:
-    """Start cfg.num_engines servers concurrently, wait until all are healthy, always stop them."""
+def launch_engines(cfg: EngineConfig, model_dir: str | Path, log_dir: str | Path, tasks: list[int] = (),
+                   gpus: bool = False) -> Iterator[list]:
+    """Start cfg.num_engines servers concurrently, wait until all are healthy, always stop them. `tasks`: the Slurm
+    task of each engine (cluster.engine_tasks); an engine on a task other than 0 (the loop's) runs there in an
+    EngineHost (Ray must be up), with tensor_parallel_size x data_parallel_size GPUs when `gpus`; the others are
+    processes of this one."""
     assert cfg.num_engines >= 1, f"engine.num_engines={cfg.num_engines}: need at least one engine"
+    tasks = list(tasks) or [0] * cfg.num_engines
     ports = [cfg.base_port + i if cfg.base_port else 0 for i in range(cfg.num_engines)]
     key, sock_dir = secrets.token_hex(16), tempfile.mkdtemp(prefix="molt-engines-") if cfg.uds else ""  # 0700
     servers = [EngineServer(f"engine{i}", cfg, str(model_dir), str(log_dir), port=p, api_key=key, sock_dir=sock_dir)
-               for i, p in enumerate(ports)]
+               if t == 0 else _remote(f"engine{i}", cfg, str(model_dir), str(log_dir), key, t, gpus)
+               for i, (p, t) in enumerate(zip(ports, tasks))]
     try:
         for s in servers:
-            s.start()  # in this thread: the parent-death signal is tied to the forking thread
+            if isinstance(s, EngineServer):
+                s.start()  # in this thread: the parent-death signal is tied to the forking thread
         deadline = time.monotonic() + cfg.startup_timeout_s
         for s in servers:
-            s.wait_healthy(max(deadline - time.monotonic(), 1.0))
+            if isinstance(s, EngineServer):
+                s.wait_healthy(max(deadline - time.monotonic(), 1.0))
+            else:  # its host waits until the server is healthy; then, where it really runs
+                print(f"molt: {s.name} on Slurm task {s._get('slurm_task')}, reached through Ray", flush=True)
         yield servers
     finally:
         with ThreadPoolExecutor(len(servers)) as pool:
-            list(pool.map(EngineServer.stop, servers))
+            list(pool.map(lambda s: s.stop(), servers))
         if sock_dir:
             shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def _remote(name: str, cfg: EngineConfig, model_dir: str, log_dir: str, key: str, task: int,
+            gpus: bool) -> RemoteEngine:
+    """An EngineHost on Slurm task `task` (its Ray node carries the resource molt_task_<task>; without it, anywhere),
+    with the engine's GPUs if `gpus` (Ray sets CUDA_VISIBLE_DEVICES, which the server inherits)."""
+    import ray
+
+    placement = {"resources": {f"molt_task_{task}": 0.001}} if f"molt_task_{task}" in ray.cluster_resources() else {}
+    host = ray.remote(num_cpus=0, num_gpus=cfg.tensor_parallel_size * cfg.data_parallel_size if gpus else 0,
+                      max_restarts=0)(EngineHost).options(**placement).remote(name, cfg, model_dir, log_dir, key)
+    return RemoteEngine(name, cfg, key, host, task)
 
 
 # ---------------------------------------------------------------------------------------------
 # Client
 
 
-def _oldest_version(spans: list[dict] | None) -> int:
-    """The oldest weight version among a reply's spans (several when tokens straddle a sync)."""
-    versions = [0 if s["version"] == "default" else int(s["version"]) for s in spans or []]
-    return min(versions) if versions else -1  # -1: no token was generated
+def _token_versions(spans: list[dict] | None, n: int) -> list[int]:
+    """The weight version of each of a reply's n tokens, from the engine's spans ({version, start, end} over output
+    positions; several when a sync with pause_mode=keep happened mid-reply); "default" is version 0."""
+    out = [-1] * n
+    if not spans:  # an engine that does not label versions
+        return out
+    for s in spans:
+        out[s["start"]:s["end"]] = [0 if s["version"] == "default" else int(s["version"])] * (s["end"] - s["start"])
+    assert -1 not in out[:n], f"weight-version spans {spans} do not cover the {n} tokens of the reply"
+    return out[:n]
 
 
 def _routes(ch: dict, num_tokens: int):
@@ -250,15 +361,16 @@ def _endpoint(url: str) -> tuple[str, str | None]:
 
 class EngineClient:
     """Async HTTP client of one engine (`EngineServer.client()`). Picklable: rebuilt from (name, url, timeout_s,
-    api_key) in any process; url is http://host:port or unix:PATH."""
+    api_key, host) in any process; url is http://host:port or unix:PATH, or with `host` (an EngineHost actor on
+    another node) the requests go through that actor."""
 
-    def __init__(self, name: str, url: str, timeout_s: float = 120.0, api_key: str = ""):
-        self.name, self.url, self.timeout_s, self.api_key = name, url, timeout_s, api_key
+    def __init__(self, name: str, url: str, timeout_s: float = 120.0, api_key: str = "", host=None):
+        self.name, self.url, self.timeout_s, self.api_key, self.host = name, url, timeout_s, api_key, host
         self._http: httpx.AsyncClient | None = None
         self._loop = None
 
     def __reduce__(self):
-        return EngineClient, (self.name, self.url, self.timeout_s, self.api_key)
+        return EngineClient, (self.name, self.url, self.timeout_s, self.api_key, self.host)
 
     def _client(self) -> httpx.AsyncClient:
         loop = asyncio.get_running_loop()
@@ -274,16 +386,28 @@ class EngineClient:
             self._loop = loop
         return self._http
 
-    async def _call(self, method: str, path: str, **kw) -> dict:
+    async def send(self, method: str, path: str, **kw) -> tuple[int, str]:
+        """(HTTP status, body); status 0 when the engine could not be reached (refused, reset, timed out)."""
+        if self.host is not None:
+            import ray
+
+            try:
+                return await self.host.request.remote(method, path, kw)
+            except ray.exceptions.RayActorError as e:  # the node or its actor died
+                return 0, repr(e)
         try:
             r = await self._client().request(method, path, **kw)
-        except httpx.TransportError as e:  # refused, reset, timed out
-            raise EngineDied(self.name, f"{method} {path}: {e!r}") from e
-        if r.status_code >= 500:
-            raise EngineDied(self.name, f"{method} {path}: HTTP {r.status_code} {r.text[:500]}")
-        if r.status_code >= 400:
-            raise RuntimeError(f"engine {self.name} rejected {method} {path}: HTTP {r.status_code} {r.text[:500]}")
-        return r.json()
+        except httpx.TransportError as e:
+            return 0, repr(e)
+        return r.status_code, r.text
+
+    async def _call(self, method: str, path: str, **kw) -> dict:
+        status, text = await self.send(method, path, **kw)
+        if status == 0 or status >= 500:
+            raise EngineDied(self.name, f"{method} {path}: " + (f"HTTP {status} {text[:500]}" if status else text))
+        if status >= 400:
+            raise RuntimeError(f"engine {self.name} rejected {method} {path}: HTTP {status} {text[:500]}")
+        return json.loads(text)
 
     async def generate(self, token_ids: list[int], max_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                        top_k: int = -1, stop_token_ids: list[int] | None = None, features: dict | None = None) -> Completion:
@@ -312,8 +436,10 @@ class EngineClient:
         content = (ch["logprobs"] or {}).get("content") or []
         logprobs = [c["logprob"] for c in content]  # logprobs=0: only the sampled token's
         assert len(logprobs) == len(ids), f"engine {self.name}: {len(ids)} tokens but {len(logprobs)} log-probs"
-        return Completion(token_ids=ids, logprobs=logprobs, version=_oldest_version(ch.get("weight_versions")),
-                          finish_reason=ch["finish_reason"], routed_experts=_routes(ch, num_prompt + len(ids)))
+        versions = _token_versions(ch.get("weight_versions"), len(ids))
+        return Completion(token_ids=ids, logprobs=logprobs, version=min(versions, default=-1),
+                          finish_reason=ch["finish_reason"], routed_experts=_routes(ch, num_prompt + len(ids)),
+                          versions=versions if len(set(versions)) > 1 else None)
 
     async def render(self, messages: list[dict]) -> dict:
         """Chat messages (images included) -> the engine's prompt: {token_ids, features} (shared/VLM.md)."""
@@ -386,8 +512,8 @@ def write_checkpoint(state_dict: dict[str, torch.Tensor], out_dir: str | Path) -
     return out
 
 
-async def _reload_one(client: EngineClient, weights_dir: Path, version: int) -> None:
-    await client.pause()
+async def _reload_one(client: EngineClient, weights_dir: Path, version: int, pause_mode: str) -> None:
+    await client.pause(pause_mode)
     await client.reload_weights(weights_dir)
     await client.reset_prefix_cache()  # cached KV was computed by the old weights
     await client.set_version(version)
@@ -395,16 +521,19 @@ async def _reload_one(client: EngineClient, weights_dir: Path, version: int) -> 
 
 
 async def sync_weights(clients: list[EngineClient], state_dict: dict[str, torch.Tensor], version: int,
-                       sync_dir: str | Path) -> float:
+                       sync_dir: str | Path, pause_mode: str = "wait") -> float:
     """Move the actor's weights into every engine (concurrently) and label them `version`; returns seconds.
 
-    The engines read the directory themselves, so sync_dir must be on their machine (/dev/shm locally).
+    The engines read the directory themselves, so sync_dir must be on their machine (/dev/shm locally) or shared.
+    pause_mode (engine.pause_mode): wait lets the requests in flight finish on the old weights first; keep freezes
+    them and they go on under the new ones, their later tokens labelled `version`.
     """
     t0 = time.perf_counter()
     weights_dir = Path(tempfile.mkdtemp(prefix=f"molt-sync-v{version}-", dir=sync_dir))
     try:
         write_checkpoint(state_dict, weights_dir)
-        done = await asyncio.gather(*(_reload_one(c, weights_dir, version) for c in clients), return_exceptions=True)
+        done = await asyncio.gather(*(_reload_one(c, weights_dir, version, pause_mode) for c in clients),
+                                    return_exceptions=True)
         for failure in (d for d in done if isinstance(d, BaseException)):  # once every other engine is resumed
             raise failure
     finally:

@@ -29,7 +29,7 @@ from molt.types import Completion, EngineDied
 
 class Router:
     def __init__(self, clients: list[EngineClient], seed: int | None = None,
-                 on_down: Callable[[str, int], None] | None = None):
+                 on_down: Callable[[str, int], None] | None = None, sticky: bool = True):
         assert clients, "the router needs at least one engine (engine.num_engines >= 1)"
         self.clients = {c.name: c for c in clients}
         assert len(self.clients) == len(clients), "engine names must be unique"
@@ -41,6 +41,7 @@ class Router:
         self.seed, self.turns = seed, {}  # rollout_id -> engine calls so far (the turn of its next call)
         self.on_down, self.down, self.epoch = on_down, set(), {c.name: 0 for c in clients}  # incarnations
         self.changed = asyncio.Event()  # an engine came back
+        self.sticky = sticky  # false: every request to the least-loaded engine (a baseline for prefix-cache reuse)
 
     async def render(self, rollout_id: str, messages: list[dict]) -> dict:
         """The engine's rendering of chat messages with images (molt/agents/images.py), on the rollout's engine."""
@@ -55,8 +56,9 @@ class Router:
             await self.changed.wait()
         if name is None:
             name = min(live, key=lambda n: (self.inflight[n], self.rollouts[n]))
-            self.assigned[rollout_id] = name
-            self.rollouts[name] += 1
+            if self.sticky:
+                self.assigned[rollout_id] = name
+                self.rollouts[name] += 1
         return name
 
     async def generate(self, rollout_id: str, token_ids: list[int], max_tokens: int, features: dict | None = None,

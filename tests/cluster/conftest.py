@@ -14,18 +14,6 @@ from molt.cluster import free_port
 HERE = Path(__file__).resolve().parent
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: minutes per test; skipped unless MOLT_SLOW=1")
-
-
-def pytest_collection_modifyitems(config, items):
-    if os.environ.get("MOLT_SLOW") == "1":
-        return
-    for item in items:
-        if "slow" in item.keywords and HERE in Path(item.fspath).parents:
-            item.add_marker(pytest.mark.skip(reason="slow: set MOLT_SLOW=1 to run it"))
-
-
 def why_no_slurm() -> str | None:
     if os.geteuid() != 0:
         return "the test Slurm needs root (it installs packages and starts munged/slurmctld/slurmd)"

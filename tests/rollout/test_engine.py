@@ -3,6 +3,7 @@ weight sync by reload, engine death and process cleanup."""
 import asyncio
 import copy
 import ipaddress
+import json
 import os
 import pickle
 import signal
@@ -107,6 +108,45 @@ def test_weight_sync_reload(engine, hf_model, tmp_path):
     diff, out, version = run(main())
     assert diff < 1e-4 and version == 1 and out.version == 1
     assert max_diff(out.logprobs, hf_logprobs(new_model, PROMPT + out.token_ids)[-len(out.token_ids):]) < 1e-4
+
+
+def test_pause_keep_labels_each_token_with_the_weights_that_sampled_it(engine, hf_model, tmp_path):
+    """engine.pause_mode=keep: a reply in flight during a sync freezes and goes on under the new weights; the engine's
+    version spans label each token, and every token's behaviour log-prob is that of the weights its label names."""
+    sd = {k: v.clone() for k, v in hf_model.state_dict().items()}
+    sd["lm_head.weight"] *= 0.5
+    new_model = copy.deepcopy(hf_model)
+    new_model.load_state_dict(sd)
+    body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 400, "logprobs": 0, "ignore_eos": True,
+                                                     "detokenize": False}}
+
+    async def attempt(c, wait_s: float):
+        """A 400-token reply with a keep-sync `wait_s` after it was sent: (old version, completion)."""
+        old = await c.version() + 1
+        await sync_weights([c], hf_model.state_dict(), old, tmp_path)  # the reference weights, labelled `old`
+        inflight = asyncio.create_task(c.send("POST", "/inference/v1/generate", json=body))
+        await asyncio.sleep(wait_s)
+        await sync_weights([c], sd, old + 1, tmp_path, pause_mode="keep")
+        _, text = await inflight
+        return old, c._completion(json.loads(text)["choices"][0], len(PROMPT))
+
+    async def main():
+        c, wait_s = engine.client(), 0.2
+        for _ in range(6):  # the sync must land mid-reply: later if it came first, sooner if it came after
+            old, out = await attempt(c, wait_s)
+            if len(set(out.token_versions)) == 2:
+                break
+            wait_s = wait_s * 2 if out.version == old + 1 else wait_s / 3
+        await c.aclose()
+        return old, out
+
+    old, out = run(main())
+    labels = out.token_versions
+    switch = labels.index(old + 1) if old + 1 in labels else 0
+    assert 0 < switch < len(labels) == 400 and labels == [old] * switch + [old + 1] * (400 - switch), labels
+    for model, part in ((hf_model, slice(0, switch)), (new_model, slice(switch, 400))):
+        ref = hf_logprobs(model, PROMPT + out.token_ids)[-400:]
+        assert max_diff(out.logprobs[part], ref[part]) < 1e-4
 
 
 def test_weight_sync_reload_moe_experts(tmp_path_factory, tmp_path):
@@ -228,3 +268,30 @@ def test_engine_is_reachable_only_by_this_user(engine):
     listening = [c.laddr for p in procs for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN]
     assert all(ipaddress.ip_address(a.ip.removeprefix("::ffff:")).is_loopback for a in listening), listening
     assert not any(engine.api_key in " ".join(p.cmdline()) for p in procs)
+
+
+def test_an_engine_on_another_node_is_reached_through_ray(tiny_dir, tmp_path):
+    """cluster.engine_tasks: an engine placed on another Slurm task runs in an EngineHost there, on a Unix socket in a
+    0700 directory, and every request (generation, sync, restart) goes through Ray: the engine listens on no
+    network address. Here on one local Ray node, where the task's resource does not exist and placement is free."""
+    from molt.loop import ray_session  # the run's own Ray: token auth, loopback
+
+    with ray_session(None), launch_engines(engine_cfg(), tiny_dir, tmp_path, tasks=[1]) as (remote,):
+        client = remote.client()
+        assert pickle.loads(pickle.dumps(client)).host is not None, "the worker's copy goes through Ray too"
+        assert len(run(client.generate(PROMPT, max_tokens=4)).token_ids) == 4
+        server = next(p for p in psutil.Process().children(recursive=True)
+                      if "vllm.entrypoints" in " ".join(p.cmdline()) and p.parent().name().startswith("ray::"))
+        sock = next(a for a in server.cmdline() if a.endswith(".sock"))
+        assert stat.S_IMODE(os.stat(os.path.dirname(sock)).st_mode) == 0o700
+        assert not [c for p in [server, *server.children(recursive=True)] for c in p.net_connections("inet")
+                    if c.status == psutil.CONN_LISTEN and not ipaddress.ip_address(c.laddr.ip).is_loopback]
+        server.kill()
+        deadline = time.monotonic() + 30
+        while remote.alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert remote.exit_code() == -signal.SIGKILL
+        with pytest.raises(EngineDied, match="engine0"):
+            run(client.generate(PROMPT, max_tokens=4))
+        remote.restart()
+        assert remote.alive() and len(run(client.generate(PROMPT, max_tokens=4)).token_ids) == 4

@@ -115,3 +115,18 @@ def test_requests_wait_for_the_replacement_of_a_dead_engine(engine):
 
     reports, held, out, epoch = run(main())
     assert reports == [("x", 0)] and held and len(out.token_ids) > 0 and epoch == {"x": 1}
+
+
+def test_without_stickiness_each_request_goes_to_the_least_loaded(engine):
+    """rollout.sticky=false (the baseline of the prefix-cache benchmark): a rollout's requests spread over engines."""
+    async def main():
+        key = engine.api_key
+        router = Router([EngineClient("a", engine.url, api_key=key), EngineClient("b", engine.url, api_key=key)],
+                        sticky=False)
+        tasks = [asyncio.create_task(router.generate("r0", PROMPT + [i], 8, temperature=1.0)) for i in range(2)]
+        await asyncio.sleep(0)
+        placed = (router.load(), dict(router.assigned))
+        await asyncio.gather(*tasks)
+        return placed
+
+    assert run(main()) == ({"a": 1, "b": 1}, {})
