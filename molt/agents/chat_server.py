@@ -139,18 +139,19 @@ async def _render(s: Session, convo: list[dict]) -> tuple[list[int], bool, list[
     n = len(s.history)
     try:
         if n and len(convo) > n and all(map(wire.same_message, s.history, convo)):
-            seg = s.segments[-1]
+            seg, new = s.segments[-1], wire.template_messages(convo[n:])
             try:
-                new = wire.template_messages(convo[n:])
-                delta, ims = await images.delta(s.generate, s.rollout_id, s.tokenizer, new, seg, s.cfg) \
-                    if images.has_images(new) else (await asyncio.to_thread(render_delta, s.tokenizer, new,
-                                                                            seg.token_ids[-1]), [])
+                if images.has_images(new):
+                    delta, ims = await images.render_delta(s.generate, s.rollout_id, s.tokenizer, new,
+                                                           seg.token_ids[-1], s.cfg, len(seg.images))
+                else:
+                    delta, ims = await asyncio.to_thread(render_delta, s.tokenizer, new, seg.token_ids[-1]), []
                 return seg.token_ids + delta, False, seg.images + images.shifted(ims, len(seg.token_ids))
             except TemplateError:
                 pass  # the template rewrites earlier turns once more follow: compact
         msgs = wire.template_messages(convo)
         if images.has_images(msgs):
-            ids, ims = await images.prompt(s.generate, s.rollout_id, s.tokenizer, msgs, s.cfg)
+            ids, ims = await images.render(s.generate, s.rollout_id, msgs, s.cfg)
         else:
             ids, ims = await asyncio.to_thread(render_prompt, s.tokenizer, msgs, _spliced(s, convo)), []
         return ids, True, ims
