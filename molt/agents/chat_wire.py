@@ -158,12 +158,10 @@ def _part(p: dict, where: str) -> dict:
 
 def _arguments(raw):
     """Tool-call arguments as a dict when they are a JSON object (compared by value, not by spelling)."""
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError:
-            return raw
-    return raw
+    try:
+        return json.loads(raw) if isinstance(raw, str) else raw
+    except json.JSONDecodeError:
+        return raw
 
 
 def with_tools(msgs: list[dict], tools: list[dict]) -> list[dict]:
