@@ -47,6 +47,7 @@ completes it). Streaming: the reply is generated whole, then sent as stream even
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import secrets
 import socket
@@ -104,17 +105,15 @@ class Session:
 
 def cut_at_stop(tokenizer, ids: list[int], stops: list[str]) -> tuple[int, str, Optional[str]]:
     """(ids kept, reply text, stop string hit). Kept: the shortest prefix whose text holds a stop string."""
-    decode = lambda prefix: tokenizer.decode(prefix, skip_special_tokens=True)  # noqa: E731
-    text = decode(ids)
+    decode = lambda n: tokenizer.decode(ids[:n], skip_special_tokens=True)  # noqa: E731  the first n ids as text
+    text = decode(len(ids))
     if not any(s in text for s in stops):
         return len(ids), text, None
-    lo, hi = 1, len(ids)  # "the text holds a stop string" is monotone in the prefix length: bisect
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if any(s in decode(ids[:mid]) for s in stops) else (mid + 1, hi)
-    text = decode(ids[:lo])
+    # "the text holds a stop string" is monotone in the prefix length: bisect
+    keep = 1 + bisect.bisect_left(range(1, len(ids)), True, key=lambda n: any(s in decode(n) for s in stops))
+    text = decode(keep)
     at, stop = min((text.index(s), s) for s in stops if s in text)
-    return lo, text[:at], stop
+    return keep, text[:at], stop
 
 
 def _spliced(s: Session, convo: list[dict]) -> dict[int, list[int]]:
