@@ -158,11 +158,9 @@ def build_smollm2(out_dir: str | Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    cfg = model.config.to_dict()
-    cfg["architectures"] = ["LlamaForCausalLM"]
-    cfg["torch_dtype"] = "float32"
-    for key in ("dtype", "quantization_config"):  # the weights are dequantised fp32 now; vLLM would look for GGUF
-        cfg.pop(key, None)
+    # the weights are dequantised fp32 now; with a quantization_config vLLM would look for GGUF
+    cfg = {k: v for k, v in model.config.to_dict().items() if k not in ("dtype", "quantization_config")}
+    cfg |= {"architectures": ["LlamaForCausalLM"], "torch_dtype": "float32"}
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if cfg.get("tie_word_embeddings"):
