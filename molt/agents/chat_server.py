@@ -183,7 +183,7 @@ def _reply(text: str, stop: Optional[str], c: Completion, keep: int, tools_on: b
 
 
 async def complete(s: Session, convo: list[dict], max_tokens: Optional[int], stops: list[str], tools_on: bool,
-                   gone: Optional[Callable[[], Awaitable[bool]]] = None) -> wire.Reply:
+                   gone: Callable[[], Awaitable[bool]]) -> wire.Reply:
     """Serve one request of a session: accumulate, generate, record, reply. `gone()` says whether the client
     disconnected: a reply it never received is not recorded (its SDK's retry then extends the same history)."""
     async with s.lock:
@@ -204,7 +204,7 @@ async def complete(s: Session, convo: list[dict], max_tokens: Optional[int], sto
         c = await s.generate(s.rollout_id, prompt, limit, **s.sampling, **images.features(ims))
         if s.closed:  # the rollout ended while the engine worked: its trajectory is final
             raise ChatError(404, f"session of rollout {s.rollout_id} has ended")
-        if gone is not None and await gone():
+        if await gone():
             raise ChatError(499, "the client disconnected before the reply: the turn is not recorded")
         keep, text, stop = cut_at_stop(s.tokenizer, c.token_ids, [x for x in stops if x])
         _record(s, prompt, fresh, ims, c, keep)
