@@ -14,7 +14,6 @@ omit-defaults serialisation drops max_tokens=16): every generate call sets its o
 from __future__ import annotations
 
 import base64
-import binascii
 import io
 import math
 from dataclasses import replace
@@ -68,7 +67,7 @@ def _source(part: dict, image_dir: str) -> bytes:
 def _b64(data: str) -> bytes:
     try:
         return base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError) as e:
+    except ValueError as e:  # binascii.Error is one
         raise ImageError("unreadable", f"invalid base64: {e}") from e
 
 
