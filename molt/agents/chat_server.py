@@ -67,7 +67,6 @@ from molt.config import AgentConfig
 from molt.types import Completion, EngineDied, Generate, Image, Segment
 
 log = logging.getLogger(__name__)
-MODEL = "policy"  # the model name /v1/models lists (requests may name any model: there is one policy)
 
 
 class ChatError(StarletteHTTPException):
@@ -247,7 +246,7 @@ ANTHROPIC = Wire(
 
 @dataclass
 class ChatServer:
-    model: str = MODEL  # the name /v1/models lists; replies echo the request's model
+    model: str = "policy"  # the name /v1/models lists; replies echo the request's model (any name: there is one policy)
     sessions: dict[str, Session] = field(default_factory=dict)
     port: int = 0
     server: Optional[uvicorn.Server] = None
