@@ -41,13 +41,11 @@ def _corpus(n: int = 4000) -> list[str]:
 
     rng = random.Random(0)
     lines = []
-    for i in range(n):
+    for _ in range(n):
         words = rng.choices(WORDS, k=rng.randint(3, 14))
-        nums = ["".join(rng.choices("0123456789", k=rng.randint(1, 5))) for _ in range(rng.randint(0, 3))]
-        toks = words + nums
-        rng.shuffle(toks)
-        text = " ".join(toks)
-        lines.append(text.capitalize() + rng.choice([".", "?", "!", ":", ","]))
+        words += ["".join(rng.choices("0123456789", k=rng.randint(1, 5))) for _ in range(rng.randint(0, 3))]
+        rng.shuffle(words)
+        lines.append(" ".join(words).capitalize() + rng.choice([".", "?", "!", ":", ","]))
     return lines
 
 
@@ -95,21 +93,24 @@ def tiny_config(moe: bool = False, vocab_size: int = 512) -> dict:
     return dict(common, model_type="qwen3", architectures=["Qwen3ForCausalLM"], intermediate_size=256)
 
 
-def build_tiny(out_dir: str | Path, moe: bool = False, seed: int = 0) -> Path:
-    """Random-weight 2-layer Qwen3 (or Qwen3-MoE) with its tokenizer, saved as safetensors."""
+def _save_random(model_class, cfg: dict, tok, out: Path, seed: int) -> None:
+    """A model of HF config `cfg` with seeded random weights, saved as safetensors beside its tokenizer."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    out = Path(out_dir)
-    tok = build_tokenizer(out)
-    cfg = tiny_config(moe, vocab_size=len(tok))
-    config = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
-    config.architectures = cfg["architectures"]
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = model_class.from_config(AutoConfig.for_model(**cfg), dtype=torch.float32)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(str(out))
-    return out
+
+
+def build_tiny(out_dir: str | Path, moe: bool = False, seed: int = 0) -> Path:
+    """Random-weight 2-layer Qwen3 (or Qwen3-MoE) with its tokenizer, saved as safetensors."""
+    from transformers import AutoModelForCausalLM
+
+    tok = build_tokenizer(out_dir)
+    _save_random(AutoModelForCausalLM, tiny_config(moe, vocab_size=len(tok)), tok, Path(out_dir), seed)
+    return Path(out_dir)
 
 
 def tiny_vl_config(vocab_size: int = 512, image_token_id: int = 4) -> dict:
@@ -124,21 +125,14 @@ def tiny_vl_config(vocab_size: int = 512, image_token_id: int = 4) -> dict:
 
 def build_tiny_vl(out_dir: str | Path, seed: int = 0) -> Path:
     """Random-weight Idefics3 (vision 2x64, text 2x128) with tokenizer, image processor and processor config."""
-    import torch
-    from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil,
-                              Idefics3Processor)
+    from transformers import AutoModelForImageTextToText, Idefics3ImageProcessorPil, Idefics3Processor
 
     out = Path(out_dir)
     tok = build_tokenizer(out, specials=VL_SPECIALS)
     tok.chat_template = VL_CHATML
-    size, patch, scale = VL_IMAGE["image_size"], VL_IMAGE["patch_size"], VL_IMAGE["scale_factor"]
     cfg = tiny_vl_config(len(tok), tok.convert_tokens_to_ids("<image>"))
-    config = Idefics3Config(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
-    config.architectures = cfg["architectures"]
-    torch.manual_seed(seed)
-    model = Idefics3ForConditionalGeneration(config).to(torch.float32)
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.save_pretrained(str(out))
+    _save_random(AutoModelForImageTextToText, cfg, tok, out, seed)
+    size, patch, scale = VL_IMAGE["image_size"], VL_IMAGE["patch_size"], VL_IMAGE["scale_factor"]
     images = Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": size},
                                        max_image_size={"longest_edge": size})
     seq = (size // patch) ** 2 // scale ** 2
@@ -164,11 +158,9 @@ def build_smollm2(out_dir: str | Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    cfg = model.config.to_dict()
-    cfg["architectures"] = ["LlamaForCausalLM"]
-    cfg["torch_dtype"] = "float32"
-    for key in ("dtype", "quantization_config"):  # the weights are dequantised fp32 now; vLLM would look for GGUF
-        cfg.pop(key, None)
+    # the weights are dequantised fp32 now; with a quantization_config vLLM would look for GGUF
+    cfg = {k: v for k, v in model.config.to_dict().items() if k not in ("dtype", "quantization_config")}
+    cfg |= {"architectures": ["LlamaForCausalLM"], "torch_dtype": "float32"}
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if cfg.get("tie_word_embeddings"):
@@ -180,7 +172,7 @@ def build_smollm2(out_dir: str | Path) -> Path:
 
 
 RECIPES = {
-    "tiny": lambda out: build_tiny(out, moe=False),
+    "tiny": build_tiny,
     "tiny_moe": lambda out: build_tiny(out, moe=True),
     "tiny_vl": build_tiny_vl,
     "smollm2_135m": build_smollm2,

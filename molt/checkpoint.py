@@ -49,9 +49,8 @@ def save(ckpt_dir: str, step: int, actor, data_position: int, model_dir: str | P
     actor.save(str(tmp))
     if lead:
         shutil.copytree(model_dir, tmp / "hf", ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
-        state = {"step": step, "data_position": data_position, "layout": list(actor.layout),
-                 "rng": rng_state()}
-        _write_json(tmp / STATE, state)
+        _write_json(tmp / STATE, {"step": step, "data_position": data_position, "layout": list(actor.layout),
+                                  "rng": rng_state()})
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in complete(d)[:-keep]:
@@ -70,8 +69,7 @@ def complete(ckpt_dir: str | Path) -> list[Path]:
 
 
 def latest(ckpt_dir: str) -> Path | None:
-    found = complete(ckpt_dir)
-    return found[-1] if found else None
+    return next(reversed(complete(ckpt_dir)), None)
 
 
 def load(path: str | Path, actor) -> dict:
@@ -139,26 +137,22 @@ def _payload(model, optimizer, mesh) -> tuple[dict, dict]:
 
 def save_models(trained: dict, out_dir: str, mesh) -> None:
     """Collective: each trained model (name -> (model, optimizer)) under out_dir/name, plus this rank's RNG."""
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
-
     rank = dist.get_rank() if dist.is_initialized() else 0
     for name, (model, optimizer) in trained.items():
         payload, _ = _payload(model, optimizer, mesh)
-        dcp.save(payload, storage_writer=HuggingFaceStorageWriter(f"{out_dir}/{name}", save_distributed=True))
+        dcp.save(payload, storage_writer=dcp.HuggingFaceStorageWriter(f"{out_dir}/{name}", save_distributed=True))
     _write_json(Path(out_dir) / "rng" / f"rank_{rank}.json", rng_state())
 
 
 def load_models(trained: dict, in_dir: str, mesh) -> None:
     """Collective: restore each trained model and its optimizer from in_dir/name, whatever layout wrote it."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-
     missing = [n for n in trained if not Path(in_dir, n).is_dir()]
     if missing:
         raise ValueError(f"the checkpoint holds no state for {missing}: it was written by a run with other helper "
                          "models (estimator / train.kl_coef) than this one")
     for name, (model, optimizer) in trained.items():
         payload, optim_sd = _payload(model, optimizer, mesh)  # views of the live tensors: loaded in place
-        reader = HuggingFaceStorageReader(f"{in_dir}/{name}")
+        reader = dcp.HuggingFaceStorageReader(f"{in_dir}/{name}")
         saved = reader.read_metadata().state_dict_metadata
         for fqn in [f for f in optim_sd["state"] if f"optim.{f}.step" not in saved]:  # never stepped (no gradient)
             optim_sd["state"].pop(fqn), payload["optim"].pop(fqn, None)  # (one dict when no view was needed)
@@ -173,7 +167,6 @@ def load_models(trained: dict, in_dir: str, mesh) -> None:
 def export_hf(ckpt: str | Path, out_dir: str | Path) -> Path:
     """The checkpoint's policy as a Hugging Face directory (safetensors under the architecture's checkpoint names,
     config, tokenizer), e.g. to serve with vLLM or as the teacher of estimator=opd. Runs in one process."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
     from transformers import AutoConfig
 
     from molt.actor.loading import empty_on, meta_model
@@ -182,12 +175,10 @@ def export_hf(ckpt: str | Path, out_dir: str | Path) -> Path:
     config = AutoConfig.from_pretrained(str(ckpt / "hf"))
     model = empty_on(meta_model(ckpt / "hf", getattr(torch, str(config.dtype).removeprefix("torch."))), "cpu")
     state = get_model_state_dict(model)
-    dcp.load({"model": state}, storage_reader=HuggingFaceStorageReader(str(ckpt / "policy")), no_dist=True)
+    dcp.load({"model": state}, storage_reader=dcp.HuggingFaceStorageReader(str(ckpt / "policy")), no_dist=True)
     model.load_state_dict(state)
+    shutil.copytree(ckpt / "hf", out_dir, dirs_exist_ok=True)  # tokenizer files; save_pretrained rewrites the config
     model.save_pretrained(str(out_dir))
-    for f in (ckpt / "hf").iterdir():
-        if not (Path(out_dir) / f.name).exists():
-            shutil.copy(f, Path(out_dir) / f.name)
     return Path(out_dir)
 
 

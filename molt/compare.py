@@ -36,8 +36,7 @@ def overrides(run) -> dict[str, str]:
 def differing(runs) -> dict[str, list[str]]:
     """The overrides whose values are not the same in every run."""
     per_run = [overrides(r) for r in runs]
-    keys = sorted({k for o in per_run for k in o})
-    cols = {k: [o.get(k, "-") for o in per_run] for k in keys}
+    cols = {k: [o.get(k, "-") for o in per_run] for k in sorted({k for o in per_run for k in o})}
     return {k: v for k, v in cols.items() if len(set(v)) > 1}
 
 
@@ -61,15 +60,13 @@ def table(runs, histories) -> str:
 
 
 def plot(runs, histories, out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no figure to close
 
     labels = [" ".join(f"{k}={v[i]}" for k, v in differing(runs).items()) or r.info.run_name for i, r in enumerate(runs)]
     paths = []
     for name, key in PLOTS.items():
-        fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(10, 3.5))
+        fig = Figure(figsize=(10, 3.5))
+        by_step, by_time = fig.subplots(1, 2)
         for run, hist, label in zip(runs, histories, labels):
             points = hist[key]
             by_step.plot([m.step for m in points], [m.value for m in points], ".-", label=label)
@@ -80,7 +77,6 @@ def plot(runs, histories, out: Path) -> list[Path]:
         fig.tight_layout()
         paths.append(out / f"{name}.png")
         fig.savefig(paths[-1])
-        plt.close(fig)
     return paths
 
 

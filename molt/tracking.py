@@ -63,10 +63,8 @@ def mlflow_run(cfg, extra_params: dict, resume_run: bool = False):
     with mlflow.start_run(run_id=previous.get("run_id"), run_name=None if previous else out.name,
                           tags=None if previous else sweep()) as run:
         if not previous:  # a continued run keeps its first params: MLflow refuses changed values
-            params = {**_flatten(resolved), **extra_params}
-            items = [(k, str(v)[:6000]) for k, v in params.items()]
-            for i in range(0, len(items), 100):  # MLflow takes at most 100 params per call
-                mlflow.log_params(dict(items[i:i + 100]))
+            params = {**_flatten(resolved), **extra_params}  # MLflow logs them in batches of 100
+            mlflow.log_params({k: str(v)[:6000] for k, v in params.items()})  # values: at most 6000 characters
             mlflow.log_dict(resolved, "config.yaml")
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.write_text(json.dumps({"uri": uri, "run_id": run.info.run_id}))

@@ -19,8 +19,7 @@ PAD_ID = 0  # any valid id: padding is never attended to by real tokens and neve
 
 def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     """Bins of segment indices, longest segments first, each into the first row it fits."""
-    rows: list[list[int]] = []
-    free: list[int] = []
+    rows, free = [], []  # segment indices, tokens left (per row)
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         r = next((r for r, f in enumerate(free) if f >= lengths[i]), len(rows))
         if r == len(rows):
@@ -146,9 +145,7 @@ def cp_columns(width: int, cp: int, rank: int) -> torch.Tensor:
     """Global columns CP rank `rank` keeps, in its local order: of 2*cp equal chunks, chunks rank and
     2*cp-1-rank. Under causal attention chunk c costs ~c, so every rank's early + late pair costs the same."""
     assert width % (2 * cp) == 0 and 0 <= rank < cp, (width, cp, rank)
-    c = width // (2 * cp)
-    lo, hi = rank * c, (2 * cp - 1 - rank) * c
-    return torch.cat([torch.arange(lo, lo + c), torch.arange(hi, hi + c)])  # (width // cp,)
+    return torch.arange(width).view(2 * cp, -1)[[rank, 2 * cp - 1 - rank]].flatten()  # (width // cp,)
 
 
 def _pad_columns(x: torch.Tensor, width: int, fill) -> torch.Tensor:

@@ -35,14 +35,11 @@ RUNTIME_GIB = 3.0  # per GPU: CUDA context + NCCL buffers + allocator fragmentat
 @dataclass
 class Plan:
     layout: str  # "<model> <params>, dp 2 x ep 256 x cp 1 = 512 ranks on ..."
-    params: int  # parameter elements held by one rank (its shards)
-    expert_params: int  # ... of which routed-expert weights
     tokens: int  # tokens per rank in one micro-batch
     gpu: dict[str, float]  # what -> bytes on one GPU (or one rank's memory on CPU)
     host: dict[str, float]  # what -> bytes on the host, per rank
     notes: dict[str, str]  # what -> how it was counted
     capacity_gib: float  # cluster.gpu_memory_gib (0 on CPU: nothing is checked)
-    ranks_per_node: int
 
     @property
     def gpu_total(self) -> float:
@@ -66,13 +63,6 @@ def fake_world(world_size: int):
         yield
     finally:
         dist.destroy_process_group()
-
-
-def meta_model(model_dir: str | Path) -> torch.nn.Module:
-    """The architecture of config.json with no storage behind its parameters."""
-    config = AutoConfig.from_pretrained(str(model_dir))
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
 
 
 def local_numel(t: torch.Tensor) -> int:
@@ -149,7 +139,8 @@ def read_shards(cfg) -> tuple[int, int, int, int, tuple[int, list[int]]]:
     f = cfg.fsdp
     is_expert = lambda n, p: n.endswith(("gate_up_proj", "down_proj")) and p.dim() == 3  # noqa: E731  fused experts
     with fake_world(f.dp_size * f.ep_size * f.cp_size):
-        model = meta_model(cfg.model.path)
+        with torch.device("meta"):  # no storage behind the parameters
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(cfg.model.path)))
         total = sum(p.numel() for p in model.parameters())
         total_expert = sum(p.numel() for n, p in model.named_parameters() if is_expert(n, p))
         model = shard_model(model, cfg)
@@ -185,8 +176,7 @@ def plan_memory(cfg) -> Plan:
     where = f"{c.num_nodes} x {c.gpus_per_node} GPUs of {c.gpu_memory_gib:g} GiB" if c.gpus_per_node else "cpu"
     layout = (f"{cfg.model.name} {total / 1e9:.2f}B params ({total_expert / 1e9:.2f}B routed experts), "
               f"dp {f.dp_size} x ep {f.ep_size} x cp {f.cp_size} = {world} ranks on {where}")
-    return Plan(layout, params, expert, tokens, gpu, states if offload else {}, notes,
-                c.gpu_memory_gib if c.gpus_per_node else 0.0, c.gpus_per_node or 1)
+    return Plan(layout, tokens, gpu, states if offload else {}, notes, c.gpu_memory_gib if c.gpus_per_node else 0.0)
 
 
 def advice(plan: Plan, cfg) -> str:
@@ -217,7 +207,7 @@ def format_plan(plan: Plan, cfg) -> str:
         verdict = "fits" if plan.fits else f"DOES NOT FIT: {advice(plan, cfg)}"
         total += f"  of {plan.capacity_gib:g} GiB (cluster.gpu_memory_gib): {verdict}"
     if plan.host:
-        total += f"; host {sum(plan.host.values()) * plan.ranks_per_node / GIB:.1f} GiB per node"
+        total += f"; host {sum(plan.host.values()) * (cfg.cluster.gpus_per_node or 1) / GIB:.1f} GiB per node"
     return "\n".join(lines + [total])
 
 

@@ -47,6 +47,7 @@ completes it). Streaming: the reply is generated whole, then sent as stream even
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import secrets
 import socket
@@ -66,15 +67,14 @@ from molt.config import AgentConfig
 from molt.types import Completion, EngineDied, Generate, Image, Segment
 
 log = logging.getLogger(__name__)
-MODEL = "policy"  # the model name /v1/models lists (requests may name any model: there is one policy)
 
 
-class ChatError(Exception):
-    """A request refused with an HTTP status (the route answers in its protocol's error shape)."""
+class ChatError(StarletteHTTPException):
+    """A request refused with an HTTP status (build_app answers it in the protocol's error shape)."""
 
     def __init__(self, status: int, message: str, code: Optional[str] = None):
-        super().__init__(message)
-        self.status, self.message, self.code = status, message, code
+        super().__init__(status, message)
+        self.code = code
 
 
 @dataclass
@@ -102,22 +102,17 @@ class Session:
 # ---- accumulation ----
 
 
-def _decode(tokenizer, ids: list[int]) -> str:
-    return tokenizer.decode(ids, skip_special_tokens=True)
-
-
 def cut_at_stop(tokenizer, ids: list[int], stops: list[str]) -> tuple[int, str, Optional[str]]:
     """(ids kept, reply text, stop string hit). Kept: the shortest prefix whose text holds a stop string."""
-    text = _decode(tokenizer, ids)
+    decode = lambda n: tokenizer.decode(ids[:n], skip_special_tokens=True)  # noqa: E731  the first n ids as text
+    text = decode(len(ids))
     if not any(s in text for s in stops):
         return len(ids), text, None
-    lo, hi = 1, len(ids)  # "the text holds a stop string" is monotone in the prefix length: bisect
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if any(s in _decode(tokenizer, ids[:mid]) for s in stops) else (mid + 1, hi)
-    text = _decode(tokenizer, ids[:lo])
+    # "the text holds a stop string" is monotone in the prefix length: bisect
+    keep = 1 + bisect.bisect_left(range(1, len(ids)), True, key=lambda n: any(s in decode(n) for s in stops))
+    text = decode(keep)
     at, stop = min((text.index(s), s) for s in stops if s in text)
-    return lo, text[:at], stop
+    return keep, text[:at], stop
 
 
 def _spliced(s: Session, convo: list[dict]) -> dict[int, list[int]]:
@@ -139,18 +134,19 @@ async def _render(s: Session, convo: list[dict]) -> tuple[list[int], bool, list[
     n = len(s.history)
     try:
         if n and len(convo) > n and all(map(wire.same_message, s.history, convo)):
-            seg = s.segments[-1]
+            seg, new = s.segments[-1], wire.template_messages(convo[n:])
             try:
-                new = wire.template_messages(convo[n:])
-                delta, ims = await images.delta(s.generate, s.rollout_id, s.tokenizer, new, seg, s.cfg) \
-                    if images.has_images(new) else (await asyncio.to_thread(render_delta, s.tokenizer, new,
-                                                                            seg.token_ids[-1]), [])
+                if images.has_images(new):
+                    delta, ims = await images.render_delta(s.generate, s.rollout_id, s.tokenizer, new,
+                                                           seg.token_ids[-1], s.cfg, len(seg.images))
+                else:
+                    delta, ims = await asyncio.to_thread(render_delta, s.tokenizer, new, seg.token_ids[-1]), []
                 return seg.token_ids + delta, False, seg.images + images.shifted(ims, len(seg.token_ids))
             except TemplateError:
                 pass  # the template rewrites earlier turns once more follow: compact
         msgs = wire.template_messages(convo)
         if images.has_images(msgs):
-            ids, ims = await images.prompt(s.generate, s.rollout_id, s.tokenizer, msgs, s.cfg)
+            ids, ims = await images.render(s.generate, s.rollout_id, msgs, s.cfg)
         else:
             ids, ims = await asyncio.to_thread(render_prompt, s.tokenizer, msgs, _spliced(s, convo)), []
         return ids, True, ims
@@ -186,7 +182,7 @@ def _reply(text: str, stop: Optional[str], c: Completion, keep: int, tools_on: b
 
 
 async def complete(s: Session, convo: list[dict], max_tokens: Optional[int], stops: list[str], tools_on: bool,
-                   gone: Optional[Callable[[], Awaitable[bool]]] = None) -> wire.Reply:
+                   gone: Callable[[], Awaitable[bool]]) -> wire.Reply:
     """Serve one request of a session: accumulate, generate, record, reply. `gone()` says whether the client
     disconnected: a reply it never received is not recorded (its SDK's retry then extends the same history)."""
     async with s.lock:
@@ -199,22 +195,15 @@ async def complete(s: Session, convo: list[dict], max_tokens: Optional[int], sto
         except images.ImageError as e:  # the rollout fails with the reason counted (chat_agent.py)
             s.bad_image = e.reason
             raise ChatError(400, f"bad image: {e}", f"image_{e.reason}") from e
-        except EngineDied as e:
-            s.error = e
-            raise ChatError(503, f"the policy engine is gone: {e}") from e
         room = s.cfg.max_total_tokens - len(prompt)
         if room < 1:
             raise _refuse(s, f"the conversation is {len(prompt)} tokens and agent.max_total_tokens="
                              f"{s.cfg.max_total_tokens} leaves no room to reply", "context_length_exceeded")
         limit = min(max_tokens or s.cfg.max_tokens_per_turn, s.cfg.max_tokens_per_turn, room)
-        try:
-            c = await s.generate(s.rollout_id, prompt, limit, **s.sampling, **images.features(ims))
-        except EngineDied as e:
-            s.error = e
-            raise ChatError(503, f"the policy engine is gone: {e}") from e
+        c = await s.generate(s.rollout_id, prompt, limit, **s.sampling, **images.features(ims))
         if s.closed:  # the rollout ended while the engine worked: its trajectory is final
             raise ChatError(404, f"session of rollout {s.rollout_id} has ended")
-        if gone is not None and await gone():
+        if await gone():
             raise ChatError(499, "the client disconnected before the reply: the turn is not recorded")
         keep, text, stop = cut_at_stop(s.tokenizer, c.token_ids, [x for x in stops if x])
         _record(s, prompt, fresh, ims, c, keep)
@@ -235,7 +224,6 @@ class Wire:
     options: Callable[[Any], dict]  # complete()'s max_tokens, stops, tools_on
     response: Callable[[wire.Reply, str], dict]
     events: Callable[[wire.Reply, str, Any], Iterator[str]]
-    error: Callable[[str, int, Optional[str]], dict]
 
 
 OPENAI = Wire(
@@ -244,15 +232,13 @@ OPENAI = Wire(
                    stops=[r.stop] if isinstance(r.stop, str) else r.stop or [],
                    tools_on=bool(r.tools) and r.tool_choice != "none"),
     wire.openai_response,
-    lambda reply, model, r: wire.openai_chunks(reply, model, bool((r.stream_options or {}).get("include_usage"))),
-    wire.openai_error)
+    lambda reply, model, r: wire.openai_chunks(reply, model, bool((r.stream_options or {}).get("include_usage"))))
 ANTHROPIC = Wire(
     wire.ARequest, wire.anthropic_conversation,
     lambda r: dict(max_tokens=r.max_tokens, stops=r.stop_sequences or [],
                    tools_on=bool(r.tools) and (r.tool_choice or {}).get("type") != "none"),
     wire.anthropic_response,
-    lambda reply, model, r: wire.anthropic_events(reply, model),
-    lambda message, status, code=None: wire.anthropic_error(message, status))
+    lambda reply, model, r: wire.anthropic_events(reply, model))
 
 
 # ---- the server ----
@@ -260,7 +246,7 @@ ANTHROPIC = Wire(
 
 @dataclass
 class ChatServer:
-    model: str = MODEL  # the name /v1/models lists; replies echo the request's model
+    model: str = "policy"  # the name /v1/models lists; replies echo the request's model (any name: there is one policy)
     sessions: dict[str, Session] = field(default_factory=dict)
     port: int = 0
     server: Optional[uvicorn.Server] = None
@@ -304,18 +290,20 @@ def _read(s: Session, w: Wire, body: bytes) -> tuple[Any, list[dict], dict]:
 
 
 async def _serve(srv: ChatServer, sid: str, request: Request, w: Wire):
-    s = None
+    s = _session(srv, sid, request)
     try:
-        s = _session(srv, sid, request)
         req, convo, options = await asyncio.to_thread(_read, s, w, await _body(s, request))
         reply = await complete(s, convo, **options, gone=request.is_disconnected)
-    except ChatError as e:
-        return JSONResponse(w.error(e.message, e.status, e.code), status_code=e.status)
+    except ChatError:
+        raise
+    except EngineDied as e:  # not the agent's fault: the runner re-raises it
+        s.error = e
+        raise ChatError(503, f"the policy engine is gone: {e}") from e
     except Exception as e:  # a server-side failure: answer 500, and the runner re-raises it (not the agent's fault)
         log.exception("chat server failed on a request of session %s", sid)
-        if s is not None and s.error is None:
+        if s.error is None:
             s.error = e
-        return JSONResponse(w.error(f"internal error: {type(e).__name__}: {e}", 500, None), status_code=500)
+        raise ChatError(500, f"internal error: {type(e).__name__}: {e}") from e
     model = req.model or srv.model
     if req.stream:
         return StreamingResponse(w.events(reply, model, req), media_type="text/event-stream")
@@ -325,17 +313,16 @@ async def _serve(srv: ChatServer, sid: str, request: Request, w: Wire):
 def build_app(srv: ChatServer) -> FastAPI:
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
 
-    @app.exception_handler(StarletteHTTPException)  # unknown paths, wrong methods: the protocol's error shape too
+    @app.exception_handler(StarletteHTTPException)  # a ChatError; unknown paths, wrong methods: the same shapes
     async def http_error(request: Request, e: StarletteHTTPException):
-        shape = wire.anthropic_error if request.url.path.endswith("/messages") else wire.openai_error
-        return JSONResponse(shape(str(e.detail), e.status_code), status_code=e.status_code)
+        if request.url.path.endswith("/messages"):
+            return JSONResponse(wire.anthropic_error(str(e.detail), e.status_code), status_code=e.status_code)
+        body = wire.openai_error(str(e.detail), e.status_code, getattr(e, "code", None))
+        return JSONResponse(body, status_code=e.status_code)
 
     @app.get("/s/{sid}/v1/models")
     async def models(sid: str, request: Request):
-        try:
-            _session(srv, sid, request)
-        except ChatError as e:
-            return JSONResponse(wire.openai_error(e.message, e.status), status_code=e.status)
+        _session(srv, sid, request)
         return {"object": "list", "data": [{"id": srv.model, "object": "model", "created": 0, "owned_by": "molt"}]}
 
     @app.post("/s/{sid}/v1/chat/completions")
@@ -349,9 +336,9 @@ def build_app(srv: ChatServer) -> FastAPI:
     return app
 
 
-async def start_server(model: str = MODEL) -> ChatServer:
+async def start_server() -> ChatServer:
     """Serve on 127.0.0.1 (a free port) inside the running event loop; returns once it accepts connections."""
-    srv = ChatServer(model)
+    srv = ChatServer()
     # proto IPPROTO_TCP, not the default 0: asyncio sets TCP_NODELAY only on sockets that say TCP, and
     # accepted sockets inherit it; without it every reply waits ~40 ms for a delayed ACK (Nagle)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -369,11 +356,6 @@ async def start_server(model: str = MODEL) -> ChatServer:
     return srv
 
 
-async def stop_server(srv: ChatServer) -> None:
-    srv.server.should_exit = True
-    await srv.task
-
-
 _SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> Future[ChatServer]
 
 
@@ -388,7 +370,9 @@ async def shared_server() -> ChatServer:
 async def stop_shared_server() -> None:
     fut = _SHARED.pop(asyncio.get_running_loop(), None)
     if fut is not None:
-        await stop_server(await fut)
+        srv = await fut
+        srv.server.should_exit = True
+        await srv.task
 
 
 def open_session(srv: ChatServer, rollout_id: str, generate: Generate, tokenizer, cfg: AgentConfig,

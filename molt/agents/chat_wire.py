@@ -138,13 +138,11 @@ def _text(content, where: str) -> str:
         raise WireError(f"{where}: content must be a string or a list of parts, got {type(content).__name__}")
     if any(isinstance(p, dict) and p.get("type") in IMAGES for p in content):  # parts stay parts: the engine renders them (images.py)
         return [_part(p, f"{where}.{j}") for j, p in enumerate(content)]
-    parts = []
     for p in content:
         kind = p.get("type") if isinstance(p, dict) else type(p).__name__
         if kind != "text" or not isinstance(p.get("text"), str):
             raise WireError(f"{where}: only text content is supported, got a {kind!r} part")
-        parts.append(p["text"])
-    return "".join(parts)
+    return "".join(p["text"] for p in content)
 
 
 IMAGES = ("image_url", "image")  # OpenAI and Anthropic image parts
@@ -158,12 +156,10 @@ def _part(p: dict, where: str) -> dict:
 
 def _arguments(raw):
     """Tool-call arguments as a dict when they are a JSON object (compared by value, not by spelling)."""
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError:
-            return raw
-    return raw
+    try:
+        return json.loads(raw) if isinstance(raw, str) else raw
+    except json.JSONDecodeError:
+        return raw
 
 
 def with_tools(msgs: list[dict], tools: list[dict]) -> list[dict]:

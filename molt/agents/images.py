@@ -14,9 +14,10 @@ omit-defaults serialisation drops max_tokens=16): every generate call sets its o
 from __future__ import annotations
 
 import base64
-import binascii
 import io
+import math
 from dataclasses import replace
+from itertools import accumulate, groupby
 from pathlib import Path
 
 from molt.types import EngineDied, Image, Segment
@@ -32,14 +33,12 @@ class ImageError(ValueError):
         self.reason = reason
 
 
-def parts(messages: list[dict]) -> list[dict]:
-    """The image parts of messages, in order."""
-    return [p for m in messages if isinstance(m.get("content"), list) for p in m["content"]
-            if isinstance(p, dict) and p.get("type") in ("image_url", "image")]
+def _is_image(part) -> bool:
+    return isinstance(part, dict) and part.get("type") in ("image_url", "image")
 
 
 def has_images(messages: list[dict]) -> bool:
-    return bool(parts(messages))
+    return any(_is_image(p) for m in messages if isinstance(m.get("content"), list) for p in m["content"])
 
 
 def _source(part: dict, image_dir: str) -> bytes:
@@ -56,12 +55,11 @@ def _source(part: dict, image_dir: str) -> bytes:
         if not head.endswith(";base64"):
             raise ImageError("unsupported_source", "a data URL must be base64 (data:image/png;base64,...)")
         return _b64(data)
-    path = Path(url.removeprefix("file://"))
-    root = Path(image_dir).resolve() if image_dir else None
-    if "://" in url.removeprefix("file://") or root is None or not path.resolve().is_relative_to(root):
+    path = url.removeprefix("file://")
+    if not image_dir or "://" in path or not Path(path).resolve().is_relative_to(Path(image_dir).resolve()):
         raise ImageError("url_not_allowed", f"{url[:80]!r}: images must be data URLs or files under agent.image_dir")
     try:
-        return path.read_bytes()
+        return Path(path).read_bytes()
     except OSError as e:
         raise ImageError("unreadable", f"{url[:80]!r}: {e}") from e
 
@@ -69,7 +67,7 @@ def _source(part: dict, image_dir: str) -> bytes:
 def _b64(data: str) -> bytes:
     try:
         return base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError) as e:
+    except ValueError as e:  # binascii.Error is one
         raise ImageError("unreadable", f"invalid base64: {e}") from e
 
 
@@ -90,22 +88,22 @@ def check(data: bytes, max_pixels: int) -> str:
     return MIME[fmt]
 
 
+def _data_part(data: bytes, mime: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": f"data:{mime};base64,{base64.b64encode(data).decode()}"}}
+
+
 def prepare(messages: list[dict], cfg) -> tuple[list[dict], list[bytes]]:
     """Messages with every image part as a checked data-URL image_url part, and the images' bytes in order."""
-    datas, out = [], []
-    for m in messages:
-        if not isinstance(m.get("content"), list):
-            out.append(m)
-            continue
-        content = []
-        for p in m["content"]:
-            if isinstance(p, dict) and p.get("type") in ("image_url", "image"):
-                data = _source(p, cfg.image_dir)
-                url = f"data:{check(data, cfg.image_max_pixels)};base64,{base64.b64encode(data).decode()}"
-                p = {"type": "image_url", "image_url": {"url": url}}
-                datas.append(data)
-            content.append(p)
-        out.append(dict(m, content=content))
+    datas = []
+
+    def checked(part):
+        if not _is_image(part):
+            return part
+        datas.append(_source(part, cfg.image_dir))
+        return _data_part(datas[-1], check(datas[-1], cfg.image_max_pixels))
+
+    out = [dict(m, content=[checked(p) for p in m["content"]]) if isinstance(m.get("content"), list) else m
+           for m in messages]
     return out, datas
 
 
@@ -137,20 +135,12 @@ def _embedded(ids: list[int], offset: int, length: int) -> tuple[int, int]:
     (offset, length). /inference/v1/generate takes placeholders as offset+length only, every token embedded
     (vLLM 0.32 has no is_embed there), so the span given back must be that run; an image processor that splits an
     image into tiles (several runs per image) is refused."""
-    span = ids[offset:offset + length]
-    runs = [(i, j) for i, j in _runs(span) if j - i > 1]
+    ends = list(accumulate(len(list(same)) for _, same in groupby(ids[offset:offset + length])))  # runs of one id
+    runs = [(i, j) for i, j in zip([0] + ends, ends) if j - i > 1]
     if len(runs) != 1:
         raise ImageError("unsupported_layout", f"{len(runs)} runs of image tokens in one image's placeholder "
                          f"(image splitting into tiles is not supported: do_image_splitting=false)")
     return offset + runs[0][0], runs[0][1] - runs[0][0]
-
-
-def _runs(span: list[int]):
-    start = 0
-    for k in range(1, len(span) + 1):
-        if k == len(span) or span[k] != span[start]:
-            yield start, k
-            start = k
 
 
 async def render_delta(router, rollout_id: str, tokenizer, messages: list[dict], last_token_id: int | None, cfg,
@@ -163,32 +153,13 @@ async def render_delta(router, rollout_id: str, tokenizer, messages: list[dict],
     cut = base.rindex(MARK) + len(MARK)
     head, close = _encode(tokenizer, base[:cut]), _encode(tokenizer, base[cut:])
     ids, images = await render(router, rollout_id, _DUMMY + list(messages), cfg, seen)
-    if ids[:len(head)] != head or ids[len(head):len(head) + len(close)] != close:
+    if ids[:len(head) + len(close)] != head + close:
         raise TemplateError("the engine's rendering does not extend the dummy conversation token by token; env mode "
                             "with images needs a prefix-stable chat template")
     tail = ids[len(head):]
     if tail and tail[0] == last_token_id and last_token_id in tokenizer.added_tokens_decoder:
         tail = tail[1:]  # the model emitted the end-of-turn token itself
-    shift = len(ids) - len(tail)
-    return tail, [replace(im, offset=im.offset - shift) for im in images]
-
-
-async def prompt(router, rollout_id: str, tokenizer, messages: list[dict], cfg) -> tuple[list[int], list[Image]]:
-    """env.render_prompt, by the engine when the messages hold images."""
-    from molt.agents.env import render_prompt
-
-    if not has_images(messages):
-        return render_prompt(tokenizer, messages), []
-    return await render(router, rollout_id, messages, cfg)
-
-
-async def delta(router, rollout_id: str, tokenizer, messages: list[dict], seg: Segment, cfg) -> tuple[list[int], list[Image]]:
-    """env.render_delta after `seg`, by the engine when the messages hold images; image offsets into the delta."""
-    from molt.agents.env import render_delta as text_delta
-
-    if not has_images(messages):
-        return text_delta(tokenizer, messages, seg.token_ids[-1]), []
-    return await render_delta(router, rollout_id, tokenizer, messages, seg.token_ids[-1], cfg, len(seg.images))
+    return tail, shifted(images, len(tail) - len(ids))
 
 
 def shifted(ims: list[Image], by: int) -> list[Image]:
@@ -215,19 +186,11 @@ async def engine_features(client, ims: list[Image]) -> dict:
     from their source bytes, and the same bytes give the same processed image (checked by its hash)."""
     if not ims:
         return {}
-    parts = [{"type": "image_url", "image_url": {"url": f"data:{MIME[_format(im.data)]};base64,"
-                                                        f"{base64.b64encode(im.data).decode()}"}} for im in ims]
+    parts = [_data_part(im.data, check(im.data, max_pixels=math.inf)) for im in ims]  # checked once already
     f = (await client.render([{"role": "user", "content": parts}]))["features"]
     assert f["mm_hashes"]["image"] == [im.sha256 for im in ims], "the engine processed the same image differently"
     return features([replace(im, engine={k: f[k]["image"][i] for k in ("kwargs_data", "mm_metadata")})
                      for i, im in enumerate(ims)])
-
-
-def _format(data: bytes) -> str:
-    from PIL import Image as PIL
-
-    with PIL.open(io.BytesIO(data)) as im:
-        return im.format
 
 
 def record(im: Image) -> dict:
