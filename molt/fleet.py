@@ -22,7 +22,8 @@ import ray
 from ray.util.queue import Queue
 
 from molt.agents import images
-from molt.rollout.engine import EngineDied, sync_weights, verify_sync
+from molt.rollout.engine import EngineDied
+from molt.rollout.reload import sync_weights, verify_sync
 from molt.types import Segment
 
 log = logging.getLogger(__name__)

@@ -263,7 +263,7 @@ def test_killed_and_interrupted_runs_resume_exactly(tmp_path):
     proc = start(tmp_path, *args, "resume=true")  # 3. resume to the end
     assert proc.wait(timeout=600) == 0, (tmp_path / "run.err").read_text()[-3000:]
 
-    (c1, r1, h1), (c2, r2, h2) = history(tmp_path / "straight"), history(tmp_path / "run")
+    (c1, r1, _), (c2, r2, _) = history(tmp_path / "straight"), history(tmp_path / "run")
     assert r2.info.status == "FINISHED" and len(c2.search_runs([r2.info.experiment_id])) == 1, "one MLflow run"
     raw1 = lambda k: c1.get_metric_history(r1.info.run_id, k)  # noqa: E731
     raw2 = lambda k: c2.get_metric_history(r2.info.run_id, k)  # noqa: E731

@@ -20,8 +20,6 @@ with actor_gpu.py's model-FLOPs formula.
 from __future__ import annotations
 
 import argparse
-import math
-import os
 import sys
 import tempfile
 import time

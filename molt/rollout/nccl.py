@@ -71,7 +71,7 @@ class Buckets(WeightSource):
         return out
 
     def _with_head(self, tensors: dict) -> dict:
-        """`lm_head.weight` beside a tied embedding: an engine keeps a stale head otherwise (engine.write_checkpoint)."""
+        """`lm_head.weight` beside a tied embedding: an engine keeps a stale head otherwise (reload.write_checkpoint)."""
         emb = next(n for n, m in self.model.named_modules() if m is self.model.get_input_embeddings()) + ".weight"
         if emb in tensors and "lm_head.weight" not in self.shapes and self.model.get_output_embeddings() is not None:
             tensors["lm_head.weight"] = tensors[emb]

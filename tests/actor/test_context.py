@@ -13,7 +13,7 @@ from molt.actor.actor import load_model, token_logprobs
 from molt.actor.pack import NO_TARGET, align_next, cp_slice, cp_unslice, cp_width, pack, unalign
 from molt.algo.loss import Objective
 from molt.assets import ensure_model
-from molt.config import FsdpConfig, TrainConfig
+from molt.config import FsdpConfig
 from tests.actor.test_actor import make_segments
 
 LENGTHS = (13, 7, 9, 5, 10, 3, 6, 4)  # 3 rows of 23, 22, 12 tokens: cp_slice pads them to 24 columns

@@ -9,7 +9,6 @@ request. The engine is a scripted fake (tests/agents/test_chat_hostile.py). More
 (schemathesis is not used: the routes read their bodies themselves, so the app's OpenAPI schema says nothing
 about them; the strategies below are the schema.)
 """
-import asyncio
 import json
 import os
 import time

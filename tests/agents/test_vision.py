@@ -25,7 +25,8 @@ from molt.agents.env import run_env_rollout
 from molt.agents import run_group
 from molt.assets import VL_IMAGE, ensure_model
 from molt.config import AgentConfig, EngineConfig, TrainConfig
-from molt.rollout.engine import EngineClient, launch_engines, sync_weights, verify_sync
+from molt.rollout.engine import launch_engines
+from molt.rollout.reload import sync_weights, verify_sync
 from molt.rollout.router import Router
 from tests.agents.test_chat import loop  # noqa: F401 (the event-loop fixture)
 

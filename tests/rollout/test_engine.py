@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from molt.rollout.engine import (EngineClient, EngineDied, group_pids, launch_engines, server_cmd, sync_weights,
-                                 verify_sync, write_checkpoint)
+from molt.rollout.engine import EngineClient, EngineDied, group_pids, launch_engines, server_cmd
+from molt.rollout.reload import sync_weights, verify_sync, write_checkpoint
 from tests.rollout.conftest import TIMINGS, engine_cfg, run
 
 PROMPT = [1, 17, 42, 99, 7, 250, 3, 64]

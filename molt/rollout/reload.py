@@ -1,0 +1,80 @@
+"""Weight sync, the `reload` path: the actor's weights as safetensors in a directory every engine reads in place.
+
+    await sync_weights(clients, actor.export_weights(), version, sync_dir, pause_mode)   # pause, reload, label, resume
+    diff = await verify_sync(clients[0], probe_ids, actor_logprobs, tol)                # the engine now agrees
+
+The NCCL path (engine.sync=nccl) is molt/rollout/nccl.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from molt.rollout.engine import EngineClient
+
+def write_checkpoint(state_dict: dict[str, torch.Tensor], out_dir: str | Path) -> Path:
+    """HF-named full tensors -> out_dir/model.safetensors (contiguous fp32 on CPU).
+
+    vLLM's reload reads only the *.safetensors of the directory (no config.json). With tied
+    embeddings the head is not reloaded unless lm_head.weight is in the file, so it is added.
+    """
+    from safetensors.torch import save_file
+
+    tensors, seen = {}, set()
+    for name, t in state_dict.items():
+        t = t.detach().to("cpu", torch.float32).contiguous()
+        if t.data_ptr() in seen:  # safetensors refuses tensors that share storage (tied weights)
+            t = t.clone()
+        seen.add(t.data_ptr())
+        tensors[name] = t
+    if "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    out = Path(out_dir)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+async def _reload_one(client: EngineClient, weights_dir: Path, version: int, pause_mode: str) -> None:
+    await client.pause(pause_mode)
+    await client.reload_weights(weights_dir)
+    await client.reset_prefix_cache()  # cached KV was computed by the old weights
+    await client.set_version(version)
+    await client.resume()
+
+
+async def sync_weights(clients: list[EngineClient], state_dict: dict[str, torch.Tensor], version: int,
+                       sync_dir: str | Path, pause_mode: str = "wait") -> float:
+    """Move the actor's weights into every engine (concurrently) and label them `version`; returns seconds.
+
+    The engines read the directory themselves, so sync_dir must be on their machine (/dev/shm locally) or shared.
+    pause_mode (engine.pause_mode): wait lets the requests in flight finish on the old weights first; keep freezes
+    them and they go on under the new ones, their later tokens labelled `version`.
+    """
+    t0 = time.perf_counter()
+    weights_dir = Path(tempfile.mkdtemp(prefix=f"molt-sync-v{version}-", dir=sync_dir))
+    try:
+        write_checkpoint(state_dict, weights_dir)
+        done = await asyncio.gather(*(_reload_one(c, weights_dir, version, pause_mode) for c in clients),
+                                    return_exceptions=True)
+        for failure in (d for d in done if isinstance(d, BaseException)):  # once every other engine is resumed
+            raise failure
+    finally:
+        shutil.rmtree(weights_dir, ignore_errors=True)
+    return time.perf_counter() - t0
+
+
+async def verify_sync(client: EngineClient, probe_ids: list[int], expected_logprobs: list[float], tol: float,
+                      features: dict | None = None) -> float:
+    """Max |engine - actor| log-prob on a probe sequence (with its images' `features`); raises when it exceeds tol."""
+    got = await client.prompt_logprobs(probe_ids, features)
+    assert len(got) == len(expected_logprobs), f"probe of {len(got)} log-probs vs {len(expected_logprobs)} expected"
+    diff = max(abs(a - b) for a, b in zip(got, expected_logprobs))
+    if diff > tol:
+        raise RuntimeError(f"engine {client.name} disagrees with the actor after sync: max |dlogp| = {diff:.3e} > "
+                           f"{tol:.1e}; the weights did not arrive (check the state-dict names and lm_head.weight)")
+    return diff
