@@ -5,7 +5,11 @@ AdamW), a Qwen3-1.7B-shaped dense model and a Qwen3-30B-A3B-shaped MoE cut to 6 
 4 rows x 4096 packed tokens, and the reference in the same process on the same card: plain transformers
 (forward with labels, unpacked causal rows, AdamW). Needs CUDA, torch and transformers only:
 
-    PYTHONPATH=. python3 experiments/benchmarks/actor_gpu.py [--parts dense,moe] [--smoke]
+    PYTHONPATH=. python3 experiments/benchmarks/actor_gpu.py [--parts dense,moe] [--smoke] [--numerics]
+        [--only "name,name"] [--repeat] [--steps N] [--profile "name"] [--deadline SECONDS]
+
+Compare variants within one run (machines differ by a few %); the first variant timed in a process can run slow,
+so --repeat runs the chosen ones twice in turn. docs/gpu.md has the figures and the commands that made them.
 
 MFU = model FLOPs / step time / 989e12 (H100/H200 dense bf16 peak). Model FLOPs per step, not counting recompute:
   6 * (matmul parameters a token uses: attention q,k,v,o + MLP (MoE: top_k experts + router) per layer + lm_head)
@@ -29,8 +33,10 @@ import random
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
+import types
 from pathlib import Path
 
 import torch
@@ -121,15 +127,22 @@ def set_head_chunk(n: int) -> None:
                                                  if p.default is not inspect.Parameter.empty)
 
 
-def time_steps(step, warmup: int, steps: int) -> float:
+def time_steps(step, warmup: int, steps: int, spread: list | None = None) -> float:
+    """Median seconds per step (each step synchronised); spread gets (max - min) / median."""
     for _ in range(warmup):
         step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    times = []
     for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
         step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / steps
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    median = times[len(times) // 2]
+    if spread is not None:
+        spread.append((times[-1] - times[0]) / median)
+    return median
 
 
 def cleanup() -> None:
@@ -138,12 +151,42 @@ def cleanup() -> None:
     torch.cuda.reset_peak_memory_stats()
 
 
+def rss() -> int:
+    """Anonymous resident bytes: what the process allocated on the host (mapped safetensors pages not counted)."""
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("RssAnon:"))
+    return int(line.split()[1]) * 1024
+
+
+@contextlib.contextmanager
+def load_memory(into: dict):
+    """GPU peak (max_memory_allocated) and host RSS growth (sampled every 5 ms) while a trainer is built: what
+    loading costs, whole (from_pretrained) or sharded (molt/actor/loading.py, the actor's mesh path)."""
+    cleanup()
+    start, peak, done = rss(), [0], threading.Event()
+
+    def sample():
+        while not done.wait(0.005):
+            peak[0] = max(peak[0], rss())
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        into.update(load_gib=torch.cuda.max_memory_allocated() / 2 ** 30,
+                    host_gib=max(peak[0], rss()) / 2 ** 30 - start / 2 ** 30)
+        torch.cuda.reset_peak_memory_stats()
+
+
 # ---- the two trainers ------------------------------------------------------------------------------------------
 
-def baseline(path: Path, cfg, rows: int, row_tokens: int, experts: str | None):
+def baseline(path: Path, cfg, rows: int, row_tokens: int, experts: str | None, mem: dict):
     """Plain transformers: bf16 weights, forward with labels over unpacked causal rows, AdamW (torch default)."""
     kw = {"experts_implementation": experts} if experts else {}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa", **kw).cuda()
+    with load_memory(mem):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa",
+                                                     **kw).cuda()
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     ids = torch.randint(cfg.vocab_size, (rows, row_tokens), device="cuda")
@@ -158,15 +201,19 @@ def baseline(path: Path, cfg, rows: int, row_tokens: int, experts: str | None):
     return step, [row_tokens] * rows, rows * row_tokens
 
 
-def actor(path: Path, cfg, rows: int, row_tokens: int, variant: dict, mesh=None):
-    """The actor's own path: Actor.train_step on packed segments."""
+def actor(path: Path, cfg, rows: int, row_tokens: int, variant: dict, mem: dict, mesh=None):
+    """The actor's own path: Actor.train_step on packed segments. With a mesh the model is built on the meta device
+    and each tensor read from the safetensors straight into its shard (molt/actor/loading.py); without one it is
+    loaded whole (from_pretrained, the 1-process reference)."""
     train = TrainConfig(row_tokens=row_tokens, micro_batch_rows=variant.get("micro_rows", rows), lr=1e-6,
                         activation_checkpointing=bool(variant.get("ac")), compile=bool(variant.get("compile")))
     set_head_chunk(variant.get("chunk", actor_mod.HEAD_CHUNK))
     kw = dict(fsdp=FsdpConfig(), mesh=mesh) if mesh is not None else {}
-    with fsdp_knobs(variant):
+    with fsdp_knobs(variant), load_memory(mem):
         act = Actor(path, train, dtype=variant.get("dtype", "bfloat16"), attn_implementation=variant["attn"],
                     device="cuda", **kw)
+    if variant.get("before"):  # the clip as its own pass over the gradients (no grad_scale in the fused AdamW)
+        act.clip_grads = lambda params, optimizer=None: Actor.clip_grads(act, params)
     segs = segments(rows, row_tokens, cfg.vocab_size)
     adv = [1.0 if i % 2 else -1.0 for i in range(len(segs))]
     assert pack(segs, adv, row_tokens).input_ids.shape == (rows, row_tokens)
@@ -175,25 +222,56 @@ def actor(path: Path, cfg, rows: int, row_tokens: int, variant: dict, mesh=None)
     return step, [len(s.token_ids) for s in segs], head_tokens, act
 
 
+class FakeGroup:
+    """For `before`: a group whose size makes parallel.sum_gradients set the divide factor, as it always did."""
+
+    def size(self) -> int:
+        return 2
+
+
+class ExpertGroups:
+    """For `before`: the mesh as apply_fsdp sees it, with an ep axis that makes it shard the experts as their own
+    group, as it always did (flat() and device_type still reach the real mesh)."""
+
+    def __init__(self, mesh):
+        self.mesh, self.device_type = mesh, mesh.device_type
+
+    def __getitem__(self, axes):
+        return FakeGroup() if axes == "ep" else self.mesh[axes]
+
+
+def root_with_hidden_states(model, decoder):
+    """The root's forward as before 2026-12-04 (for `before`): hidden states through output_hidden_states=True."""
+    def run(**kwargs):
+        out = model(**kwargs, output_hidden_states=True, logits_to_keep=torch.zeros(0, dtype=torch.long))
+        return types.SimpleNamespace(last_hidden_state=out.hidden_states[-1])
+    return run
+
+
 @contextlib.contextmanager
 def fsdp_knobs(variant: dict):
     """Benchmark-only A/B switches of parallel.apply_fsdp, to measure a layout choice before making it the code's:
-    experts_in_layer: no separate fully_shard of the MoE experts (they shard with their decoder layer);
-    keep_unsharded: reshard_after_forward=False (the bf16 copy made in forward is reused by backward)."""
-    saved = parallel.expert_modules, parallel.fully_shard
-    if variant.get("experts_in_layer"):
-        parallel.expert_modules = lambda m: []  # only apply_fsdp asks while a 1-GPU (ep 1) actor is built
+    keep_unsharded: reshard_after_forward=False (the bf16 copy made in forward is reused by backward);
+    before: as before 2026-12-04: the FSDP root's forward through transformers' hidden-state capture (which breaks
+    compiled graphs), a gradient divide factor of 1.0 at world size 1 (one more pass over the gradients) and the
+    clip as its own pass (see actor())."""
+    saved = parallel.fully_shard, parallel._decoder_through_root, parallel.sum_gradients, parallel.apply_fsdp
     if variant.get("keep_unsharded"):
-        parallel.fully_shard = functools.partial(saved[1], reshard_after_forward=False)
+        parallel.fully_shard = functools.partial(saved[0], reshard_after_forward=False)
+    if variant.get("before"):
+        parallel._decoder_through_root = root_with_hidden_states
+        parallel.sum_gradients = lambda module, group: saved[2](module, FakeGroup())
+        parallel.apply_fsdp = lambda model, mesh, *a: saved[3](model, ExpertGroups(mesh), *a)
     try:
         yield
     finally:
-        parallel.expert_modules, parallel.fully_shard = saved
+        parallel.fully_shard, parallel._decoder_through_root, parallel.sum_gradients, parallel.apply_fsdp = saved
 
 
-def numerics(path: Path, cfg, row_tokens: int, lr: float = 1e-5) -> None:
-    """Log-probs, loss and the log-prob change of one optimizer step of each path against the fp32 reference (fp32
-    weights and compute, no FSDP) on one packed row: what bf16 compute and bf16 weights cost in accuracy."""
+def numerics(path: Path, cfg, row_tokens: int, lr: float = 1e-5, steps: int = 4) -> None:
+    """Each path against the fp32 reference (fp32 weights and compute, no FSDP) and the bf16 one on one packed row:
+    log-probs and loss before any update, then the log-prob change after 1 and `steps` AdamW steps (lr, clip 1.0)
+    against the reference's change: what bf16 compute and bf16 weights cost in accuracy."""
     segs = segments(1, row_tokens, cfg.vocab_size, seed=2)
     adv = [1.0 if i % 2 else -1.0 for i in range(len(segs))]
     paths = {"fp32": dict(dtype="float32"), "bf16": dict(dtype="bfloat16"),
@@ -201,22 +279,33 @@ def numerics(path: Path, cfg, row_tokens: int, lr: float = 1e-5) -> None:
     out = {}
     for name, v in paths.items():
         cleanup()
-        train = TrainConfig(row_tokens=row_tokens, lr=lr, grad_clip=0.0)
         kw = dict(fsdp=FsdpConfig(), mesh=one_mesh()) if v.get("mesh") else {}
-        act = Actor(path, train, dtype=v["dtype"], attn_implementation="flex_attention", device="cuda", **kw)
+        act = Actor(path, TrainConfig(row_tokens=row_tokens, lr=lr), dtype=v["dtype"],
+                    attn_implementation="flex_attention", device="cuda", **kw)
         before = torch.tensor(sum(act.logprobs(segs), []))
-        m = act.train_step(segs, adv)
-        out[name] = before, torch.tensor(sum(act.logprobs(segs), [])) - before, m["loss/policy"]
+        loss, changes = act.train_step(segs, adv)["loss/policy"], []
+        for i in range(1, steps + 1):
+            if i > 1:
+                act.train_step(segs, adv)
+            if i in (1, steps):
+                changes.append(torch.tensor(sum(act.logprobs(segs), [])) - before)
+        out[name] = before, loss, changes
         del act
-    ref_lp, ref_dlp, ref_loss = out["fp32"]
-    say(f"\nnumerics, 1 x {row_tokens} tokens, one AdamW step at lr {lr}: against the fp32 path")
-    say("| path | max abs logp diff | mean abs logp diff | loss diff | step's logp change: rel. error, corr |")
+    say(f"\nnumerics, 1 x {row_tokens} tokens, AdamW lr {lr}, clip 1.0: each path against fp32 (and bf16)")
+    say(f"| path | logp max abs diff | logp mean abs diff | loss diff | logp change after 1 / {steps} steps: "
+        "rel. error, corr |")
     say("|---|---:|---:|---:|---:|")
-    for name, (lp, dlp, loss) in out.items():
-        rel = float((dlp - ref_dlp).norm() / ref_dlp.norm().clamp(min=1e-30))
-        corr = float(torch.corrcoef(torch.stack([dlp, ref_dlp]))[0, 1])
-        say(f"| {name} | {(lp - ref_lp).abs().max():.2e} | {(lp - ref_lp).abs().mean():.2e} | "
-            f"{abs(loss - ref_loss):.2e} | {rel:.3f}, {corr:.3f} |")
+    for name, (lp, loss, changes) in out.items():
+        cells = []
+        for ref in ("fp32", "bf16"):
+            r_lp, r_loss, _ = out[ref]
+            d = (lp - r_lp).abs()
+            cells.append((f"{d.max():.2e}", f"{d.mean():.2e}", f"{abs(loss - r_loss):.2e}"))
+        moved = []
+        for dlp, ref_dlp in zip(changes, out["fp32"][2]):
+            rel = float((dlp - ref_dlp).norm() / ref_dlp.norm().clamp(min=1e-30))
+            moved.append(f"{rel:.3f}, {float(torch.corrcoef(torch.stack([dlp, ref_dlp]))[0, 1]):.3f}")
+        say(f"| {name} | " + " | ".join(f"{a} ({b})" for a, b in zip(*cells)) + f" | {' / '.join(moved)} |")
 
 
 # ---- checks and profile ----------------------------------------------------------------------------------------
@@ -239,8 +328,9 @@ def kernel_class(name: str) -> str:
     n = name.lower()
     for key, words in (("gemm", ("gemm", "nvjet", "cutlass", "xmma", "wgmma", "matmul", "grouped")),
                        ("attention", ("flex", "flash", "fmha", "attention", "triton_tem")),
-                       ("compiled elementwise", ("triton_",)), ("copy/cast/nccl", ("nccl", "memcpy", "memset", "copy")),
-                       ("optimizer", ("adam", "foreach", "multi_tensor"))):
+                       ("compiled elementwise", ("triton_",)),
+                       ("copy/cast/nccl", ("nccl", "memcpy", "memset", "copy", "chunk_cat", "split_with_sizes")),
+                       ("gradient norm", ("lpnorm", "norm")), ("optimizer", ("adam", "foreach", "multi_tensor"))):
         if any(w in n for w in words):
             return key
     return "other elementwise/reduce"
@@ -267,7 +357,7 @@ def profile(step, label: str) -> None:
         f"({100 * total / wall:.0f}% busy)")
     for k, v in sorted(classes.items(), key=lambda kv: -kv[1]):
         say(f"  {k:<26} {v * 1e3:8.1f} ms  {100 * v / total:5.1f}%")
-    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:8]
+    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]
     for e in top:
         say(f"    {e.self_device_time_total / 1e3:8.1f} ms  x{e.count:<5} {e.key[:90]}")
     (OUT / f"profile_{label}.txt").write_text(prof.key_averages().table(sort_by="self_cuda_time_total",
@@ -282,35 +372,32 @@ def matmul_ceiling() -> float:
 
 # ---- the run -----------------------------------------------------------------------------------------------------
 
+FP32 = dict(attn="flex_attention", dtype="float32", mesh=True)  # fp32 masters through FSDP2 (bf16 compute)
 VARIANTS = {  # most telling first: --deadline skips the tail. compile = train.compile (layers + head), AC =
     # train.activation_checkpointing; every actor variant uses fused AdamW (the actor's default on CUDA)
     "dense": [
-        dict(name="hf baseline: labels, sdpa, unpacked", baseline=True),
+        dict(name="actor fp32+FSDP2 bf16 flex +compile", compile=True, **FP32),
+        dict(name="fp32+FSDP2 +compile as before", compile=True, before=True, **FP32),
+        dict(name="fp32+FSDP2 +compile keep-unsharded", compile=True, keep_unsharded=True, **FP32),
         dict(name="actor bf16 flex +compile", attn="flex_attention", compile=True),
+        dict(name="hf baseline: labels, sdpa, unpacked", baseline=True),
         dict(name="actor bf16 flex", attn="flex_attention"),
         dict(name="actor bf16 flex +AC +compile", attn="flex_attention", ac=True, compile=True),
-        dict(name="actor fp32+FSDP2 bf16 flex +compile", attn="flex_attention", dtype="float32", mesh=True,
-             compile=True),
-        dict(name="fp32+FSDP2 +compile keep-unsharded", attn="flex_attention", dtype="float32", mesh=True,
-             compile=True, keep_unsharded=True),
         dict(name="actor bf16 flex +AC", attn="flex_attention", ac=True),
     ],
     "moe": [
-        dict(name="hf baseline: grouped_mm", baseline=True, experts="grouped_mm"),
+        dict(name="actor fp32+FSDP2 bf16 flex +compile", compile=True, **FP32),
+        dict(name="fp32+FSDP2 +compile as before", compile=True, before=True, **FP32),
+        dict(name="fp32+FSDP2 +compile keep-unsharded", compile=True, keep_unsharded=True, **FP32),
         dict(name="actor bf16 flex +compile", attn="flex_attention", compile=True),
+        dict(name="hf baseline: grouped_mm", baseline=True, experts="grouped_mm"),
         dict(name="actor bf16 flex", attn="flex_attention"),
-        dict(name="actor fp32+FSDP2 bf16 flex +AC +compile", attn="flex_attention", dtype="float32", mesh=True,
-             ac=True, compile=True),
-        dict(name="actor fp32+FSDP2 bf16 flex +compile", attn="flex_attention", dtype="float32", mesh=True,
-             compile=True),
-        dict(name="fp32+FSDP2 +compile experts-in-layer", attn="flex_attention", dtype="float32", mesh=True,
-             compile=True, experts_in_layer=True),
-        dict(name="fp32+FSDP2 +compile experts-in-layer keep-unsharded", attn="flex_attention", dtype="float32",
-             mesh=True, compile=True, experts_in_layer=True, keep_unsharded=True),
+        dict(name="actor fp32+FSDP2 bf16 flex +AC +compile", ac=True, compile=True, **FP32),
         dict(name="actor bf16 flex +AC +compile", attn="flex_attention", ac=True, compile=True),
     ],
 }
-PROFILE = {"actor bf16 flex +compile"}  # profiled after timing
+PROFILE = {"actor fp32+FSDP2 bf16 flex +compile"}  # profiled after timing
+STEPS = [5]  # timed steps per variant (--steps)
 
 
 def one_mesh():
@@ -330,25 +417,25 @@ def one_mesh():
 def run_variant(part: str, v: dict, path: Path, cfg, rows: int, row_tokens: int) -> dict:
     cleanup()
     t0 = time.perf_counter()
-    steps, warmup = v.get("steps", 4), v.get("warmup", 2)
-    act = None
+    steps, warmup = v.get("steps", STEPS[0]), v.get("warmup", 2)
+    act, mem, spread = None, {}, []
     try:
         if v.get("baseline"):
-            step, lengths, head_tokens = baseline(path, cfg, rows, row_tokens, v.get("experts"))
+            step, lengths, head_tokens = baseline(path, cfg, rows, row_tokens, v.get("experts"), mem)
             sec = None
             try:
-                sec = time_steps(step, warmup, steps)
+                sec = time_steps(step, warmup, steps, spread)
             except torch.OutOfMemoryError:
                 pass
             if sec is None:  # the reference did not fit (retry outside the handler: its frames hold memory)
                 cleanup()
                 v["name"] += " (2 micro-batches)"
-                sec = time_steps(lambda: step(rows // 2), warmup, steps)
+                sec = time_steps(lambda: step(rows // 2), warmup, steps, spread)
         else:
-            step, lengths, head_tokens, act = actor(path, cfg, rows, row_tokens, v,
+            step, lengths, head_tokens, act = actor(path, cfg, rows, row_tokens, v, mem,
                                                     mesh=one_mesh() if v.get("mesh") else None)
             torch._dynamo.utils.counters.clear()
-            sec = time_steps(step, warmup, steps)
+            sec = time_steps(step, warmup, steps, spread)
             breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
             if v.get("compile"):
                 say(f"  {v['name']}: {breaks} graph breaks {dict(torch._dynamo.utils.counters['graph_break'])}"[:400])
@@ -362,8 +449,9 @@ def run_variant(part: str, v: dict, path: Path, cfg, rows: int, row_tokens: int)
             torch._dynamo.reset()
     flops = model_flops(cfg, lengths, head_tokens)
     out = dict(name=v["name"], tok_s=sum(lengths) / sec, mfu=flops / sec / (PEAK_TFLOPS * 1e12),
-               tflops=flops / sec / 1e12, step_ms=sec * 1e3, peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30,
-               wall_s=time.perf_counter() - t0)
+               tflops=flops / sec / 1e12, step_ms=sec * 1e3, spread=spread[0],
+               peak_gib=max(torch.cuda.max_memory_allocated() / 2 ** 30, mem["load_gib"]),
+               load_gib=mem["load_gib"], host_gib=mem["host_gib"], wall_s=time.perf_counter() - t0)
     del act
     say(f"  {out['name']:<38} {out['tok_s']:>9.0f} tok/s  MFU {100 * out['mfu']:5.1f}%  "
         f"peak {out['peak_gib']:6.1f} GiB  ({out['wall_s']:.0f} s)")
@@ -371,15 +459,17 @@ def run_variant(part: str, v: dict, path: Path, cfg, rows: int, row_tokens: int)
 
 
 def table(part: str, results: list[dict], flops_note: str) -> None:
-    say(f"\n{part}: {flops_note}")
-    say(f"| {'variant':<40} | tokens/s | step ms | TFLOP/s | MFU | peak GiB |")
-    say(f"|{'-' * 42}|---------:|--------:|--------:|----:|---------:|")
+    say(f"\n{part}: {flops_note}; spread = (slowest - fastest) / median step; load = GPU peak / host RSS growth "
+        "while the trainer is built")
+    say(f"| {'variant':<40} | tokens/s | step ms | spread | TFLOP/s | MFU | peak GiB | load GiB | host GiB |")
+    say(f"|{'-' * 42}|---------:|--------:|-------:|--------:|----:|---------:|---------:|---------:|")
     for r in results:
         if "error" in r:
             say(f"| {r['name']:<40} | {r['error']} |")
         else:
-            say(f"| {r['name']:<40} | {r['tok_s']:8.0f} | {r['step_ms']:7.0f} | {r['tflops']:7.0f} | "
-                f"{100 * r['mfu']:.1f}% | {r['peak_gib']:8.1f} |")
+            say(f"| {r['name']:<40} | {r['tok_s']:8.0f} | {r['step_ms']:7.0f} | {100 * r['spread']:5.1f}% | "
+                f"{r['tflops']:7.0f} | {100 * r['mfu']:.1f}% | {r['peak_gib']:8.1f} | {r['load_gib']:8.1f} | "
+                f"{r['host_gib']:8.1f} |")
 
 
 def main() -> None:
@@ -391,7 +481,10 @@ def main() -> None:
     ap.add_argument("--profile", default="", help="comma-separated variant names to profile (default: "
                     + ", ".join(sorted(PROFILE)) + ")")
     ap.add_argument("--numerics", action="store_true", help="first compare the paths' log-probs and update (dense)")
+    ap.add_argument("--steps", type=int, default=STEPS[0], help="timed steps per variant (after 2 warm-up steps)")
+    ap.add_argument("--repeat", action="store_true", help="run the selected variants twice, in turn (A B A B)")
     args = ap.parse_args()
+    STEPS[0] = args.steps
     if args.profile:
         PROFILE.clear()
         PROFILE.update(args.profile.split(","))
@@ -411,14 +504,17 @@ def main() -> None:
         build(cfg, path)
         say(f"\n{part}: {rows} x {row_tokens} tokens, config {spec}")
         if args.numerics and part == "dense":
-            numerics(path, cfg, row_tokens)
+            try:
+                numerics(path, cfg, row_tokens)
+            except Exception:  # the timings still run
+                say(f"numerics failed: {traceback.format_exc()[-600:]}")
         only = set(filter(None, args.only.split(",")))
         if not only:
             say(f"flex vs sdpa log-prob max |diff| on packed rows: {check_flex(path, cfg, rows, row_tokens):.4f}")
         late = lambda: time.perf_counter() - start > args.deadline  # noqa: E731
+        chosen = [v for v in VARIANTS[part] if not only or v["name"] in only] * (2 if args.repeat else 1)
         results = [dict(name=v["name"], error="skipped (--deadline)") if late()
-                   else run_variant(part, dict(v), path, cfg, rows, row_tokens)
-                   for v in VARIANTS[part] if not only or v["name"] in only]
+                   else run_variant(part, dict(v), path, cfg, rows, row_tokens) for v in chosen]
         table(part, results, "MFU = model FLOPs (module docstring) / step time / 989 TFLOP/s")
 
 

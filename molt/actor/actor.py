@@ -211,7 +211,7 @@ class Actor:
     def train_step(self, segments: list[Segment], advantages: list, temperature: float = 1.0) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
         metrics = self.backward(segments, advantages, temperature)
-        norm = float(self.clip_grads(self.model.parameters()))
+        norm = float(self.clip_grads(self.model.parameters(), self.optimizer))
         if not math.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"gradient norm is {norm}; step skipped (lower train.lr or set train.grad_clip)")
@@ -236,13 +236,21 @@ class Actor:
             mbs = [cp_slice(align_next(mb), cp.size(), cp.get_local_rank())[0] for mb in mbs]
         return [to_device(mb, self.device) for mb in mbs]
 
-    def clip_grads(self, params) -> torch.Tensor:
-        """Clip the global gradient norm to train.grad_clip (0 = no clipping); returns the norm before clipping."""
+    def clip_grads(self, params, optimizer=None) -> torch.Tensor:
+        """Clip the global gradient norm to train.grad_clip (0 = no clipping); returns the norm before clipping.
+        With a fused `optimizer` (CUDA) the clip rides in its kernel: it divides each gradient by the optimizer's
+        `grad_scale` (AMP's unscaling hook) in the update's own pass and stores it back, so the gradients end up
+        clipped as below without one more read and write of every fp32 gradient."""
         params = list(params)
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        if self.mesh is None:
+        fused = optimizer is not None and optimizer.defaults.get("fused")
+        if self.mesh is None and not fused:
             return torch.nn.utils.clip_grad_norm_(params, max_norm)
-        norm = parallel.grad_norm(params, self.device)
+        norm = parallel.grad_norm(params, self.device) if self.mesh is not None else \
+            torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
+        if fused:
+            optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0).float()  # 1 / clip_grad_norm_'s coef
+            return norm
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as clip_grad_norm_ does
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for g in parallel.local_grads(params):  # offloaded grads live on the host

@@ -34,7 +34,9 @@ def meta_model(model_dir: str | Path, dtype: torch.dtype, attn_implementation: s
     the model's own __init__ computes them and no checkpoint holds them."""
     config = AutoConfig.from_pretrained(str(model_dir))
     with init_empty_weights(include_buffers=False):
-        return vision.model_class(model_dir).from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+        model = vision.model_class(model_dir).from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    model.tie_weights()  # init_empty_weights re-registers each parameter, which unties a tied head from the embedding
+    return model
 
 
 class SafetensorsDir:
@@ -105,6 +107,7 @@ def empty_on(model, device):
     """Uninitialised parameter storage on `device` for a meta_model, its (computed) buffers kept."""
     buffers = {n: b.clone() for n, b in model.named_buffers()}
     model.to_empty(device=device)
+    model.tie_weights()  # to_empty gives each module a new tensor: a tied head would come apart from the embedding
     for n, b in model.named_buffers():
         b.copy_(buffers[n])
     return model

@@ -11,6 +11,7 @@ The model code is never edited: expert modules get an instance-level forward, FS
 """
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -145,35 +146,48 @@ def ep_forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
 # ---- FSDP2 ----------------------------------------------------------------------------------------------------
 
 def apply_fsdp(model, mesh: DeviceMesh, mixed_precision: bool, offload: bool) -> None:
-    """fully_shard each decoder layer, then the root (embeddings, final norm, head). Expert weights are
-    sharded over dp x cp only: their ep copies are different experts, not replicas."""
+    """fully_shard each decoder layer, then the root (embeddings, final norm, head). Under expert parallelism the
+    expert weights are sharded over dp x cp only (their ep copies are different experts, not replicas), as a group
+    of their own; at ep 1 that is the layer's group, and the experts shard with their layer: a separate group inside
+    a compiled layer costs FSDP hooks and two graph breaks per layer (train.compile)."""
     kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if mixed_precision else MixedPrecisionPolicy(),
               # offload: sharded fp32 params, grads and AdamW state stay on the host; the step runs there
               offload_policy=CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy())
-    for layer in model.get_decoder().layers:
-        for experts in expert_modules(layer):
+    decoder, dense, expert = model.get_decoder(), flat(mesh, DENSE), flat(mesh, EXPERT)
+    for layer in decoder.layers:
+        for experts in expert_modules(layer) if mesh["ep"].size() > 1 else ():
             # shard dim 1 (2I / H), not the expert dim: with one expert per ep rank, dim 0 cannot split over dp
-            sum_gradients(fully_shard(experts, mesh=flat(mesh, EXPERT), shard_placement_fn=lambda p: Shard(1), **kw))
-        sum_gradients(fully_shard(layer, mesh=flat(mesh, DENSE), **kw))
-    sum_gradients(fully_shard(model, mesh=flat(mesh, DENSE), **kw))  # the root: embeddings, final norm, head
-    model.get_decoder = types.MethodType(_decoder_through_root, model)
+            sum_gradients(fully_shard(experts, mesh=expert, shard_placement_fn=lambda p: Shard(1), **kw), expert)
+        sum_gradients(fully_shard(layer, mesh=dense, **kw), dense)
+    sum_gradients(fully_shard(model, mesh=dense, **kw), dense)  # the root: embeddings, final norm, head
+    model.get_decoder = types.MethodType(functools.partial(_decoder_through_root, decoder=decoder), model)
 
 
-def _decoder_through_root(model):
+def _decoder_through_root(model, decoder):
     """Instance-level get_decoder() for an FSDP model. The actor runs the decoder, then the head chunk by chunk
     (never full-vocabulary logits); but FSDP gathers the root's parameters (embeddings, norm, head) and
     schedules their gradient reduction only when the ROOT module is called. So "the decoder" becomes the root's
-    forward with no logits kept (an empty index list), returning its last hidden state."""
-    def decoder(**kwargs):
-        out = model(**kwargs, output_hidden_states=True, logits_to_keep=torch.zeros(0, dtype=torch.long))
-        return types.SimpleNamespace(last_hidden_state=out.hidden_states[-1])  # (R, T, H), after the final norm
-    return decoder
+    forward with no logits kept (an empty index list), returning the inner decoder's last hidden state, taken by a
+    forward hook. Gotcha: not through output_hidden_states=True, which makes transformers hook every layer's
+    submodules with a ContextVar read that breaks each compiled layer's graph (train.compile)."""
+    def run(**kwargs):
+        seen = []
+        hook = decoder.register_forward_hook(lambda module, args, out: seen.append(out.last_hidden_state))
+        try:
+            model(**kwargs, logits_to_keep=torch.zeros(0, dtype=torch.long))
+        finally:
+            hook.remove()
+        return types.SimpleNamespace(last_hidden_state=seen[-1])  # (R, T, H), after the final norm
+    return run
 
 
-def sum_gradients(module) -> None:
-    """FSDP2 averages over its ranks by default; the loss is normalised by the global token count already."""
-    module.set_gradient_divide_factor(1.0)
+def sum_gradients(module, group: DeviceMesh) -> None:
+    """FSDP2 averages over its ranks by default; the loss is normalised by the global token count already. A group
+    of one rank averages nothing, and FSDP2 then skips the division, which a factor of 1.0 would not (one more
+    pass over every fp32 gradient)."""
+    if group.size() > 1:
+        module.set_gradient_divide_factor(1.0)
     if hasattr(module, "set_force_sum_reduction_for_comms"):  # plain SUM (gloo has no PREMUL_SUM)
         module.set_force_sum_reduction_for_comms(True)
 

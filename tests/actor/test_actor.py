@@ -123,6 +123,24 @@ def test_train_steps_raise_logprob_of_rewarded_tokens(model_dir):
     assert gen(actor.logprobs(segs)) > gen(before) + 1.0
 
 
+def test_clip_inside_a_fused_adamw_is_the_clipped_step(model_dir):
+    """A fused AdamW (the GPU default) takes the clip as its grad_scale: the same step, and the same clipped
+    gradients left behind, as clip_grad_norm_ followed by the same AdamW."""
+    train = TrainConfig(row_tokens=64, lr=1e-2, grad_clip=1e-3)
+    segs, adv = make_segments(seed=3), [1.0, -1.0] * 5
+    ref, got = Actor(model_dir, train), Actor(model_dir, train)
+    for a in (ref, got):
+        a.optimizer = torch.optim.AdamW(a.model.parameters(), lr=train.lr, betas=tuple(train.betas), fused=True)
+    ref.backward(segs, adv)
+    norm = torch.nn.utils.clip_grad_norm_(ref.model.parameters(), train.grad_clip)
+    ref.optimizer.step()
+    assert got.train_step(segs, adv)["grad_norm"] == pytest.approx(float(norm), rel=1e-6)
+    assert norm > 10 * train.grad_clip  # the clip binds
+    for (name, a), b in zip(ref.model.named_parameters(), got.model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-9, msg=name)  # left clipped (unclipped: 10x)
+        torch.testing.assert_close(b, a, rtol=0, atol=3e-7, msg=name)
+
+
 def test_mismatch_metric_measures_behaviour_gap(model_dir):
     actor = Actor(model_dir, TrainConfig(row_tokens=64))
     segs = make_segments(seed=2)

@@ -49,3 +49,34 @@ def test_a_missing_tensor_is_named(model_dir, tmp_path):
     save_file(weights, str(tmp_path / "model.safetensors"))
     with pytest.raises(KeyError, match="model.norm.weight"):
         materialize(meta_model(tmp_path, torch.float32), tmp_path, "cpu")
+
+
+def test_a_tied_head_stays_tied(tmp_path):
+    """tie_word_embeddings (Qwen3-1.7B, SmolLM2): the head IS the embedding after a meta build, so the checkpoint
+    (which has no lm_head.weight) loads and training updates one tensor."""
+    import json
+
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from molt.actor.parallel import build_mesh, parallelize
+    from molt.assets import tiny_config
+    from molt.config import FsdpConfig
+
+    spec = {k: v for k, v in tiny_config().items() if k not in ("model_type", "architectures")}
+    AutoModelForCausalLM.from_config(Qwen3Config(**spec | dict(tie_word_embeddings=True))).save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"]
+    whole = load_model(tmp_path, "float32", "sdpa", "cpu", trainable=False)
+    model = meta_model(tmp_path, torch.float32)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    materialize(model, tmp_path, "cpu")
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    torch.testing.assert_close(model.lm_head.weight, whole.lm_head.weight, rtol=0, atol=0)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:  # the GPU runs' path: laid out (FSDP2) on the meta device, then each rank's shards read
+        fsdp = FsdpConfig()
+        model = parallelize(meta_model(tmp_path, torch.float32), build_mesh(fsdp, "cpu"), fsdp)
+        materialize(model, tmp_path, "cpu")
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        torch.testing.assert_close(model.lm_head.weight.full_tensor(), whole.lm_head.weight, rtol=0, atol=0)
+    finally:
+        torch.distributed.destroy_process_group()
