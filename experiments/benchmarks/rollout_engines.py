@@ -9,8 +9,9 @@ the longest reply in flight while new requests queue; with keep it freezes them 
 weights. Printed per mode: time/step, time/sync and the engines' idle share (a side thread samples each engine's
 Prometheus `vllm:num_requests_running` every 50 ms over the timed steps: the share of samples with none running).
 
-sticky: 2 engines, 4-turn rollouts over a 300-token shared prompt, rollout.sticky=true then false (every request to
-the least-loaded engine), printing engine/prefix_cache_hit_rate (the engines' own counters) and time/generate.
+sticky: 2 engines, 6-turn rollouts whose history (48-token replies) is their own, rollout.sticky=true then false
+(every request to the least-loaded engine), printing engine/prefix_cache_hit_rate (the engines' own counters) and
+time/generate.
 
 This file is also the agent (agent.module=experiments.benchmarks.rollout_engines): it sends the sample's turns, each
 with the history so far, asking for the sample's reply lengths; its reward only gives GRPO something to rank.
@@ -54,9 +55,8 @@ def dataset(path: Path, mode: str, rows: int = 64) -> Path:
         if mode == "pause":  # one turn; a long tail of lengths
             sample = {"messages": [{"role": "user", "content": f"Tell me about {i}."}],
                       "lengths": [384 if rng.random() < 0.1 else 16]}
-        else:  # a long shared prompt, then four short turns that each extend it
-            words = " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "omega"]) for _ in range(150))
-            sample = {"messages": [{"role": "user", "content": f"{words} Question {i}."}], "lengths": [16] * 4}
+        else:  # a short prompt, then six turns, each extending the rollout's own history (its cache) by a reply
+            sample = {"messages": [{"role": "user", "content": f"Tell a long story about {i}."}], "lengths": [48] * 6}
         lines.append(json.dumps(sample))
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -89,7 +89,7 @@ class IdleSampler(threading.Thread):
 
 def run_one(out: Path, overrides: list[str], sample_idle: bool) -> tuple[dict, list]:
     cmd = [sys.executable, "-m", "molt", "agent=chat", "agent.module=experiments.benchmarks.rollout_engines",
-           "agent.max_turns=4", "agent.max_tokens_per_turn=384", "agent.max_total_tokens=1024",
+           "agent.max_turns=6", "agent.max_tokens_per_turn=384", "agent.max_total_tokens=1024",
            "engine.max_model_len=1024", "train.groups_per_step=4", "rollout.n=4", "rollout.max_inflight_groups=8",
            "train.row_tokens=2048", "train.num_threads=1", "eval.every=0", f"hydra.run.dir={out}",
            f"checkpoint_dir={out}/ckpt", *overrides]

@@ -36,5 +36,7 @@ def test_varlen_matches_masked_sdpa(model_dir):
     assert (lp - ref_lp).abs().max() <= 1e-5
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-5)
     assert grads.keys() == ref.keys() and len(ref) > 0
-    for name in ref:
-        torch.testing.assert_close(grads[name], ref[name], rtol=1e-4, atol=1e-6, msg=name)
+    for name in ref:  # atol: fp32 sums in another order, relative to the largest entry (a few units); a mask that
+        # let one segment see another moves gradients by orders of magnitude more
+        scale = ref[name].abs().max().item()
+        torch.testing.assert_close(grads[name], ref[name], rtol=1e-4, atol=1e-6 * max(scale, 1.0), msg=name)
