@@ -163,9 +163,8 @@ def sequences_on_one_rank(cfg, hf):
     from molt.algo.correction import SEQ_LEVELS
     from molt.algo.loss import SEQUENCE_LOSSES
 
-    seq = [k for k, on in {f"loss={cfg.loss.name}": cfg.loss.name in SEQUENCE_LOSSES,
-                           f"is_correction.level={cfg.is_correction.level}": cfg.is_correction.level in SEQ_LEVELS}.items()
-           if on]
+    seq = [f"loss={cfg.loss.name}"] if cfg.loss.name in SEQUENCE_LOSSES else []
+    seq += [f"is_correction.level={cfg.is_correction.level}"] if cfg.is_correction.level in SEQ_LEVELS else []
     if cfg.fsdp.cp_size > 1 and seq:
         return (f"{' and '.join(seq)} aggregate over whole sequences, but fsdp.cp_size={cfg.fsdp.cp_size} splits every "
                 "sequence over ranks: set fsdp.cp_size=1, or a token-level loss / is_correction.level")
