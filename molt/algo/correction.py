@@ -67,10 +67,8 @@ def is_weights(log_ratio: torch.Tensor, mask: torch.Tensor, segment_ids: torch.T
         gated = sequence_gate(log_ratio, mask, segment_ids, cfg.level, cfg.low, cfg.high)  # (R, T)
         weight, acted = torch.where(gated, 0.0, log_ratio.exp()), gated
         seq_gated = torch.tensor(float(segment_ids[gated & mask_b].unique().numel()), device=mask.device)
-    weight = torch.where(mask_b, weight, 0.0)
-    metrics = {"is/token_gated_frac": (acted & mask_b).sum() / num_loss_tokens,
-               "is/seq_gated_frac": seq_gated / max(num_sequences, 1)}
-    return weight, metrics
+    return torch.where(mask_b, weight, 0.0), {"is/token_gated_frac": (acted & mask_b).sum() / num_loss_tokens,
+                                              "is/seq_gated_frac": seq_gated / max(num_sequences, 1)}
 
 
 def behaviour_metrics(log_ratio: torch.Tensor, mask: torch.Tensor, num_loss_tokens: int) -> dict:

@@ -147,12 +147,6 @@ def combine(totals: dict, metrics: dict) -> dict:
     out = dict(totals)
     for k, v in metrics.items():
         v = torch.as_tensor(v).detach()
-        if k not in out:
-            out[k] = v
-        elif k.endswith("_min"):
-            out[k] = torch.minimum(out[k], v)
-        elif k.endswith("_max"):
-            out[k] = torch.maximum(out[k], v)
-        else:
-            out[k] = out[k] + v
+        fold = torch.minimum if k.endswith("_min") else torch.maximum if k.endswith("_max") else torch.add
+        out[k] = fold(out[k], v) if k in out else v
     return out
