@@ -1,7 +1,8 @@
-"""Write the vision datasets deterministically: train.jsonl (320 rows) and eval.jsonl (40 rows, other seeds).
+"""Write the vision datasets deterministically: train.jsonl (320 rows) and eval.jsonl (40 rows, another seed), each
+half red, half blue.
 
-Each image is a 48x48 PNG: a plain grey ground and a square of one colour, its shade jittered (side 16-32, anywhere),
-sent as an OpenAI `image_url` data URL (the same rows serve agent=env and agent=chat).
+Each image is a 48x48 PNG of one colour, its shade jittered per image, with a grey square (side 8-20, anywhere) that
+says nothing, sent as an OpenAI `image_url` data URL (the same rows serve agent=env and agent=chat).
 
     python -m experiments.vision.make_data [OUT_DIR]   # default: experiments/vision/data
 """
@@ -21,13 +22,12 @@ from experiments.vision.task import COLOURS, QUESTION
 
 
 def image(answer: str, rng: random.Random) -> bytes:
-    arr = np.full((48, 48, 3), rng.randint(100, 156))  # a plain grey ground of random brightness
-    side = rng.randint(16, 32)
+    arr = np.zeros((48, 48, 3)) + np.array(COLOURS[answer]) + [rng.randint(-30, 30) for _ in range(3)]  # one shade
+    side = rng.randint(8, 20)
     y, x = rng.randint(0, 48 - side), rng.randint(0, 48 - side)
-    jitter = [rng.randint(-20, 20) for _ in range(3)]  # one shade per square
-    arr[y:y + side, x:x + side] = np.clip(np.array(COLOURS[answer]) + jitter, 0, 255)
+    arr[y:y + side, x:x + side] = rng.randint(60, 200)  # a grey distractor
     out = io.BytesIO()
-    Image.fromarray(arr.astype(np.uint8)).save(out, "PNG")
+    Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8)).save(out, "PNG")
     return out.getvalue()
 
 
@@ -35,7 +35,7 @@ def rows(n: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        answer = "1234"[i % 4]  # every colour equally often
+        answer = list(COLOURS)[i % len(COLOURS)]  # every colour equally often: chance is exact
         url = "data:image/png;base64," + base64.b64encode(image(answer, rng)).decode()
         content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}]
         out.append({"messages": [{"role": "user", "content": content}], "answer": answer})

@@ -146,7 +146,8 @@ async def _render(s: Session, convo: list[dict]) -> tuple[list[int], bool, list[
                 pass  # the template rewrites earlier turns once more follow: compact
         msgs = wire.template_messages(convo)
         if images.has_images(msgs):
-            ids, ims = await images.render(s.generate, s.rollout_id, msgs, s.cfg)
+            ids, ims = await images.render_spliced(s.generate, s.rollout_id, s.tokenizer, msgs, _spliced(s, convo),
+                                                   s.cfg)
         else:
             ids, ims = await asyncio.to_thread(render_prompt, s.tokenizer, msgs, _spliced(s, convo)), []
         return ids, True, ims

@@ -130,6 +130,31 @@ async def render(router, rollout_id: str, messages: list[dict], cfg, seen: int =
     return ids, images
 
 
+async def render_spliced(router, rollout_id: str, tokenizer, messages: list[dict], spliced: dict[int, list[int]],
+                         cfg) -> tuple[list[int], list[Image]]:
+    """render() for a rebuilt ChatAgent segment, as env.render_prompt does in text: each earlier reply in `spliced`
+    (message index -> the engine's ids) goes to the engine as a unique placeholder, whose ids in the rendering are
+    then swapped for the reply's own ids, so model output is never re-encoded from text; content holding
+    special-token text is swapped back the same way, encoded with special tokens split. Later images move along."""
+    from molt.agents.env import _hold, _splitting
+
+    msgs, held = _hold(tokenizer, messages, spliced)
+    ids, ims = await render(router, rollout_id, msgs, cfg)
+    for key, h in held.items():
+        new = h if isinstance(h, list) else _splitting(tokenizer).encode(h, add_special_tokens=False).ids
+        old = tokenizer.encode(key, add_special_tokens=False)
+        at = [i for i in range(len(ids) - len(old) + 1) if ids[i:i + len(old)] == old]
+        if len(at) != 1:  # the template dropped, repeated or merged it into its neighbours
+            raise ValueError(f"the engine's rendering holds the placeholder of an earlier message {len(at)} times, "
+                             "not once: this chat template cannot rebuild the conversation from the engine's ids")
+        start, end = at[0], at[0] + len(old)
+        if isinstance(h, list) and h and h[-1] in tokenizer.added_tokens_decoder and ids[end:end + 1] == h[-1:]:
+            end += 1  # the reply ends with the end-of-turn token the template adds after it: once
+        ids = ids[:start] + new + ids[end:]
+        ims = [im if im.offset < start else replace(im, offset=im.offset + len(new) - (end - start)) for im in ims]
+    return ids, ims
+
+
 def _embedded(ids: list[int], offset: int, length: int) -> tuple[int, int]:
     """The run of image tokens inside a rendered placeholder span (Idefics3 wraps it in marker tokens), as
     (offset, length). /inference/v1/generate takes placeholders as offset+length only, every token embedded

