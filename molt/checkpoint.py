@@ -129,8 +129,21 @@ def global_view(model, state: dict, mesh) -> dict:
     return {k: ({s: view(k, v) for s, v in t.items()} if isinstance(t, dict) else view(k, t)) for k, t in state.items()}
 
 
+def untied(state: dict) -> dict:
+    """`state` without the second name of a shared tensor (a tied head is the embedding: safetensors refuses to
+    write one tensor twice, and loading the embedding loads the head, in place)."""
+    seen, out = set(), {}
+    for k, t in state.items():
+        local = t.to_local() if isinstance(t, DTensor) else t
+        key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape))
+        if local.numel() == 0 or key not in seen:
+            seen.add(key)
+            out[k] = t
+    return out
+
+
 def _payload(model, optimizer, mesh) -> tuple[dict, dict]:
-    model_sd = get_model_state_dict(model)
+    model_sd = untied(get_model_state_dict(model))
     optim_sd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=False))
     return {"model": global_view(model, model_sd, mesh), "optim": global_view(model, optim_sd["state"], mesh)}, optim_sd
 
@@ -174,9 +187,9 @@ def export_hf(ckpt: str | Path, out_dir: str | Path) -> Path:
     ckpt = Path(ckpt)
     config = AutoConfig.from_pretrained(str(ckpt / "hf"))
     model = empty_on(meta_model(ckpt / "hf", getattr(torch, str(config.dtype).removeprefix("torch."))), "cpu")
-    state = get_model_state_dict(model)
+    state = untied(get_model_state_dict(model))
     dcp.load({"model": state}, storage_reader=dcp.HuggingFaceStorageReader(str(ckpt / "policy")), no_dist=True)
-    model.load_state_dict(state)
+    model.load_state_dict(state, strict=False)  # a tied head is loaded with its embedding
     shutil.copytree(ckpt / "hf", out_dir, dirs_exist_ok=True)  # tokenizer files; save_pretrained rewrites the config
     model.save_pretrained(str(out_dir))
     return Path(out_dir)

@@ -175,6 +175,28 @@ def test_export_includes_head_when_tied(model_dir, tmp_path):
     assert weights["lm_head.weight"].data_ptr() != weights["model.embed_tokens.weight"].data_ptr()
 
 
+def test_a_tied_model_checkpoints_resumes_and_exports(model_dir, tmp_path):
+    """SmolLM2 and Qwen3-1.7B tie the head to the embedding: the checkpoint writes the shared tensor once (safetensors
+    refuses it twice), the resumed actor's head is its embedding again, and the export has both names."""
+    from molt import checkpoint
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.tie_word_embeddings = True
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path / "tied")
+    cfg = TrainConfig(row_tokens=64, lr=1e-2)
+    a, b = Actor(tmp_path / "tied", cfg), Actor(tmp_path / "tied", cfg)
+    segs = make_segments(seed=5)
+    segs = with_logprobs(segs, a.logprobs(segs))
+    a.train_step(segs, [1.0] * len(segs))
+    path = checkpoint.save(str(tmp_path / "ckpt"), 1, a, data_position=2, model_dir=tmp_path / "tied")
+    checkpoint.load(path, b)
+    assert b.model.lm_head.weight is b.model.model.embed_tokens.weight
+    for (k, p), q in zip(a.model.named_parameters(), b.model.parameters()):
+        torch.testing.assert_close(q, p, rtol=0, atol=0, msg=k)
+    exported = AutoModelForCausalLM.from_pretrained(checkpoint.export_hf(path, tmp_path / "hf"), dtype=torch.float32)
+    torch.testing.assert_close(exported.lm_head.weight, a.model.model.embed_tokens.weight, rtol=0, atol=0)
+
+
 def test_checkpoint_round_trip(model_dir, tmp_path):
     from molt import checkpoint
 
