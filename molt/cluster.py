@@ -121,10 +121,8 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
     """SIGTERM a process group (`ray start --block` shuts its node down), SIGKILL what is left."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        pass
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()

@@ -25,7 +25,6 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 import contextlib
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -104,10 +103,8 @@ def group_pids(pgid: int) -> list[int]:
 
 
 def _killpg(pgid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def _log_tail(path: Path, n: int = 20) -> str:
@@ -176,13 +173,11 @@ class EngineServer:
             if not self.alive():
                 raise RuntimeError(f"engine {self.name} exited (code {self.proc.returncode}) before it was healthy; "
                                    f"last lines of {self.log_path}:\n{_log_tail(self.log_path)}")
-            try:
+            with contextlib.suppress(httpx.TransportError):
                 base, uds = _endpoint(self.url)
                 with httpx.Client(transport=httpx.HTTPTransport(uds=uds), timeout=5, trust_env=False) as http:
                     if http.get(base + "/health").status_code == 200:
                         return
-            except httpx.TransportError:
-                pass
             time.sleep(0.5)
         raise TimeoutError(f"engine {self.name} not healthy after {timeout:.0f} s (raise engine.startup_timeout_s "
                            f"if the machine is just slow); last lines of {self.log_path}:\n{_log_tail(self.log_path)}")
@@ -288,7 +283,7 @@ class RemoteEngine:
             self._get("stop")
 
 
-@contextmanager
+@contextlib.contextmanager
 def launch_engines(cfg: EngineConfig, model_dir: str | Path, log_dir: str | Path, tasks: list[int] = (),
                    gpus: bool = False) -> Iterator[list]:
     """Start cfg.num_engines servers concurrently, wait until all are healthy, always stop them. `tasks`: the Slurm
