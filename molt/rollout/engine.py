@@ -62,14 +62,12 @@ def server_cmd(cfg: EngineConfig, model_dir: str | Path, port: int, uds: str = "
     flags = {"--enforce-eager": cfg.enforce_eager, "--no-enable-prefix-caching": not cfg.enable_prefix_caching,
              "--enable-return-routed-experts": cfg.return_routed_experts}
     cmd += [flag for flag, on in flags.items() if on]
-    if cfg.speculative_config:
-        cmd += ["--speculative-config", cfg.speculative_config]
-    if cfg.sync == "nccl":  # the workers join actor rank 0's NCCL group on /init_weight_transfer_engine (nccl.py)
-        cmd += ["--weight-transfer-config", '{"backend": "nccl"}']
-    if cfg.tensor_parallel_size > 1:
-        cmd += ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
-    if cfg.data_parallel_size > 1:
-        cmd += ["--data-parallel-size", str(cfg.data_parallel_size)]
+    options = {"--speculative-config": cfg.speculative_config,
+               # the workers join actor rank 0's NCCL group on /init_weight_transfer_engine (nccl.py)
+               "--weight-transfer-config": '{"backend": "nccl"}' if cfg.sync == "nccl" else None,
+               "--tensor-parallel-size": cfg.tensor_parallel_size if cfg.tensor_parallel_size > 1 else None,
+               "--data-parallel-size": cfg.data_parallel_size if cfg.data_parallel_size > 1 else None}
+    cmd += [a for opt, value in options.items() if value for a in (opt, str(value))]  # options left unset: omitted
     return cmd + [str(a) for a in cfg.extra_args]
 
 
