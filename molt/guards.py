@@ -402,13 +402,11 @@ def cp_with_images(cfg, hf):
 # model's config.
 GUARDS = [fsdp_sizes, fsdp_offload, slurm_resources, container_image, ranks_fit_cluster, single_node, micro_batch_rows,
           cp_splits_rows,
-          model_recipe, model_dir, ep_on_dense, ep_divides_experts,
-          cpu_head_dim, estimator_known, group_baseline_needs_group, opd_teacher, gae_params, loss_known,
-          sequences_on_one_rank, kl_coef,
+          model_recipe, model_dir, ep_on_dense, ep_divides_experts, cpu_head_dim, estimator_known,
+          group_baseline_needs_group, opd_teacher, gae_params, loss_known, sequences_on_one_rank, kl_coef,
           is_correction_names, is_correction_band, is_correction_seq_mode, filter_needs_group, max_lag, temperature,
-          replay_needs_experts,
-          replay_needs_routes, routes_need_gpu, sync_path, engines, context_fits, agent_mode, agent_module,
-          task_files, task_renders, batch_fits_inflight, cp_full_attention, cp_with_images]
+          replay_needs_experts, replay_needs_routes, routes_need_gpu, sync_path, engines, context_fits, agent_mode,
+          agent_module, task_files, task_renders, batch_fits_inflight, cp_full_attention, cp_with_images]
 
 
 def check(cfg: Any) -> None:
