@@ -316,9 +316,8 @@ def build_app(srv: ChatServer) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)  # a ChatError; unknown paths, wrong methods: the same shapes
     async def http_error(request: Request, e: StarletteHTTPException):
-        if request.url.path.endswith("/messages"):
-            return JSONResponse(wire.anthropic_error(str(e.detail), e.status_code), status_code=e.status_code)
-        body = wire.openai_error(str(e.detail), e.status_code, getattr(e, "code", None))
+        body = (wire.anthropic_error(str(e.detail), e.status_code) if request.url.path.endswith("/messages") else
+                wire.openai_error(str(e.detail), e.status_code, getattr(e, "code", None)))
         return JSONResponse(body, status_code=e.status_code)
 
     @app.get("/s/{sid}/v1/models")
