@@ -90,13 +90,10 @@ def group_pids(pgid: int) -> list[int]:
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        state, _ppid, pgrp = stat.rsplit(")", 1)[1].split()[:3]  # fields after "(comm)"
-        if int(pgrp) == pgid and state != "Z":
-            pids.append(int(entry))
+        with contextlib.suppress(OSError):  # the process exited meanwhile
+            state, _ppid, pgrp = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[:3]  # after "(comm)"
+            if int(pgrp) == pgid and state != "Z":
+                pids.append(int(entry))
     return pids
 
 
