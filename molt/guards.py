@@ -135,11 +135,10 @@ def opd_teacher(cfg, hf):
     if not teacher or not (Path(teacher) / "config.json").exists():
         return (f"estimator=opd needs a teacher: estimator.teacher_path={teacher!r} holds no config.json; point it at "
                 "a Hugging Face model directory that shares the student's tokenizer")
-    if (Path(cfg.model.path) / "config.json").exists():  # else it is built later and checked when the teacher loads
-        why = tokenizer_mismatch(cfg.model.path, teacher)
-        if why:
-            return (f"estimator.teacher_path={teacher} does not share model.path={cfg.model.path}'s tokenizer: {why}; "
-                    "the teacher scores the student's token ids, so choose a teacher of the same tokenizer")
+    # a student that is built later is checked when the teacher loads
+    if (Path(cfg.model.path) / "config.json").exists() and (why := tokenizer_mismatch(cfg.model.path, teacher)):
+        return (f"estimator.teacher_path={teacher} does not share model.path={cfg.model.path}'s tokenizer: {why}; "
+                "the teacher scores the student's token ids, so choose a teacher of the same tokenizer")
 
 
 def gae_params(cfg, hf):
