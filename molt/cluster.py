@@ -121,10 +121,8 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
     """SIGTERM a process group (`ray start --block` shuts its node down), SIGKILL what is left."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        pass
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -153,18 +151,15 @@ def on_driver_node() -> dict:
 # Submission (login node)
 
 
-def srun_args(c) -> list[str]:
-    image = [a.format(image=c.container_image) for a in c.container_srun_args] if c.container_image else []
-    return image + [str(a) for a in c.extra_srun]
-
-
 def slurm_params(c) -> dict:
     """submitit executor parameters from cluster.*; empty values are left to the cluster's defaults."""
+    image = [a.format(image=c.container_image) for a in c.container_srun_args] if c.container_image else []
     p = dict(nodes=c.num_nodes, tasks_per_node=c.tasks_per_node, gpus_per_node=c.gpus_per_node or None,
              cpus_per_task=c.cpus_per_task or None, mem_gb=c.mem_gb or None, timeout_min=c.time_min,
              slurm_partition=c.partition or None, slurm_account=c.account or None, slurm_qos=c.qos or None,
              slurm_constraint=c.constraint or None, slurm_setup=list(c.setup) or None,
-             slurm_srun_args=srun_args(c) or None, slurm_additional_parameters=dict(c.extra_sbatch) or None)
+             slurm_srun_args=image + [str(a) for a in c.extra_srun] or None,
+             slurm_additional_parameters=dict(c.extra_sbatch) or None)
     return {k: v for k, v in p.items() if v is not None}
 
 

@@ -135,11 +135,10 @@ def opd_teacher(cfg, hf):
     if not teacher or not (Path(teacher) / "config.json").exists():
         return (f"estimator=opd needs a teacher: estimator.teacher_path={teacher!r} holds no config.json; point it at "
                 "a Hugging Face model directory that shares the student's tokenizer")
-    if (Path(cfg.model.path) / "config.json").exists():  # else it is built later and checked when the teacher loads
-        why = tokenizer_mismatch(cfg.model.path, teacher)
-        if why:
-            return (f"estimator.teacher_path={teacher} does not share model.path={cfg.model.path}'s tokenizer: {why}; "
-                    "the teacher scores the student's token ids, so choose a teacher of the same tokenizer")
+    # a student that is built later is checked when the teacher loads
+    if (Path(cfg.model.path) / "config.json").exists() and (why := tokenizer_mismatch(cfg.model.path, teacher)):
+        return (f"estimator.teacher_path={teacher} does not share model.path={cfg.model.path}'s tokenizer: {why}; "
+                "the teacher scores the student's token ids, so choose a teacher of the same tokenizer")
 
 
 def gae_params(cfg, hf):
@@ -402,13 +401,11 @@ def cp_with_images(cfg, hf):
 # model's config.
 GUARDS = [fsdp_sizes, fsdp_offload, slurm_resources, container_image, ranks_fit_cluster, single_node, micro_batch_rows,
           cp_splits_rows,
-          model_recipe, model_dir, ep_on_dense, ep_divides_experts,
-          cpu_head_dim, estimator_known, group_baseline_needs_group, opd_teacher, gae_params, loss_known,
-          sequences_on_one_rank, kl_coef,
+          model_recipe, model_dir, ep_on_dense, ep_divides_experts, cpu_head_dim, estimator_known,
+          group_baseline_needs_group, opd_teacher, gae_params, loss_known, sequences_on_one_rank, kl_coef,
           is_correction_names, is_correction_band, is_correction_seq_mode, filter_needs_group, max_lag, temperature,
-          replay_needs_experts,
-          replay_needs_routes, routes_need_gpu, sync_path, engines, context_fits, agent_mode, agent_module,
-          task_files, task_renders, batch_fits_inflight, cp_full_attention, cp_with_images]
+          replay_needs_experts, replay_needs_routes, routes_need_gpu, sync_path, engines, context_fits, agent_mode,
+          agent_module, task_files, task_renders, batch_fits_inflight, cp_full_attention, cp_with_images]
 
 
 def check(cfg: Any) -> None:

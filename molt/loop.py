@@ -195,10 +195,8 @@ def next_item(queue, fleet: Fleet, stop: threading.Event | None = None):
         if stop is not None and stop.is_set():
             return "stop", None
         fleet.check()
-        try:
+        with contextlib.suppress(Empty):
             return queue.get(timeout=2.0)
-        except Empty:
-            pass
 
 
 def collect(pop, cfg, version: int, refund):

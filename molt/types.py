@@ -134,10 +134,6 @@ class Group:
     timing: tuple[float, float] = (0.0, 0.0)  # wall-clock start and end of its generation
 
     @property
-    def rewards(self) -> list[float]:
-        return [r.reward for r in self.rollouts]
-
-    @property
     def min_version(self) -> int:
         vs = [r.min_version for r in self.rollouts if r.min_version >= 0]
         return min(vs) if vs else -1

@@ -51,10 +51,8 @@ def run_actor(cfg, model_dir, device: str = "cpu", mesh: bool = False) -> Actor:
     from molt.algo.loss import Objective
 
     objective = Objective.from_config(cfg)
-    if mesh:
-        actor = rank_actor(str(model_dir), cfg.train, cfg.fsdp, device, cfg.model.dtype, objective)
-    else:
-        actor = Actor(str(model_dir), cfg.train, cfg.model.dtype, device=device, objective=objective)
+    actor = (rank_actor(str(model_dir), cfg.train, cfg.fsdp, device, cfg.model.dtype, objective) if mesh else
+             Actor(str(model_dir), cfg.train, cfg.model.dtype, device=device, objective=objective))
     for name in helpers_needed(cfg):
         actor.helpers[name] = helpers.build(name, actor, cfg, model_dir)
     return actor

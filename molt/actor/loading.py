@@ -126,9 +126,7 @@ def materialize(model, model_dir: str | Path, device, fresh: tuple[str, ...] = (
             local.zero_()
         elif name in ckpt:
             local.copy_(ckpt.read(name, region))
-        elif not isinstance(p, torch.nn.Parameter):
-            pass  # a buffer no checkpoint holds (rotary tables): kept as the model computed it
-        else:
+        elif isinstance(p, torch.nn.Parameter):  # a buffer no checkpoint holds (rotary tables) keeps its value
             missing.append(name)
     if missing:
         raise KeyError(f"{model_dir}: no checkpoint tensor for {missing[:5]} ({len(missing)} in all)")

@@ -203,8 +203,7 @@ def full_tensors(model, grads: bool = False, head: bool = False, only: set[str] 
     owners = {f"{prefix}.{n}": m for prefix, m in model.named_modules() if hasattr(m, "ep_group")
               for n in ("gate_up_proj", "down_proj")}
     out = {}
-    items = model.named_parameters() if grads else model.state_dict().items()
-    for name, p in items:
+    for name, p in model.named_parameters() if grads else model.state_dict().items():
         t = p.grad if grads else p
         if t is None or (only is not None and name not in only):
             continue

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from molt.config import FsdpConfig
+from molt.config import FsdpConfig, derived
 
 GIB = 2**30
 RUNTIME_GIB = 3.0  # per GPU: CUDA context + NCCL buffers + allocator fragmentation (a rule of thumb)
@@ -136,9 +136,8 @@ def bytes_per_element(cfg) -> tuple[int, int]:
 
 def read_shards(cfg) -> tuple[int, int, int, int, tuple[int, list[int]]]:
     """(total params, total routed-expert params, local params, local expert params, gathered sizes) of the layout."""
-    f = cfg.fsdp
     is_expert = lambda n, p: n.endswith(("gate_up_proj", "down_proj")) and p.dim() == 3  # noqa: E731  fused experts
-    with fake_world(f.dp_size * f.ep_size * f.cp_size):
+    with fake_world(derived(cfg)["world_size"]):
         with torch.device("meta"):  # no storage behind the parameters
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(cfg.model.path)))
         total = sum(p.numel() for p in model.parameters())
@@ -172,7 +171,7 @@ def plan_memory(cfg) -> Plan:
              "gathered": f"{compute_bytes} B x (root {root / 1e6:.0f}M + 2 layers {sum(layers) / 1e6:.0f}M) "
                          f"+ 4 B x reduce-scatter {(layers[0] if layers else root) / 1e6:.0f}M",
              "activations": how, "runtime": "CUDA context, NCCL buffers, fragmentation (rule of thumb)"}
-    world = f.dp_size * f.ep_size * f.cp_size
+    world = derived(cfg)["world_size"]
     where = f"{c.num_nodes} x {c.gpus_per_node} GPUs of {c.gpu_memory_gib:g} GiB" if c.gpus_per_node else "cpu"
     layout = (f"{cfg.model.name} {total / 1e9:.2f}B params ({total_expert / 1e9:.2f}B routed experts), "
               f"dp {f.dp_size} x ep {f.ep_size} x cp {f.cp_size} = {world} ranks on {where}")

@@ -51,13 +51,11 @@ def checkpoint_layers(model) -> int:
     return len(layers)
 
 
-def compile_model(model, head_fn) -> int:
+def compile_model(model, head_fn) -> None:
     """torch.compile each decoder layer's forward (after checkpoint_layers, so the recompute is compiled too), which
     fuses the norms, rotary embedding, SwiGLU and residual adds (layers share one code object, so they share compiled
     graphs), and the head's per-chunk log-prob function (`train.compile`): its fp32 cast, temperature, logsumexp,
-    gather and entropy become a few fused kernels instead of passes over (chunk, vocab) fp32 logits. Returns layers."""
-    layers = decoder_layers(model)
-    for layer in layers:
+    gather and entropy become a few fused kernels instead of passes over (chunk, vocab) fp32 logits."""
+    for layer in decoder_layers(model):
         layer.forward = torch.compile(layer.forward)
     model.molt_head_fn = torch.compile(head_fn)  # read by actor.token_logprobs
-    return len(layers)

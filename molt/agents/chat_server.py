@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import logging
 import secrets
 import socket
@@ -135,15 +136,13 @@ async def _render(s: Session, convo: list[dict]) -> tuple[list[int], bool, list[
     try:
         if n and len(convo) > n and all(map(wire.same_message, s.history, convo)):
             seg, new = s.segments[-1], wire.template_messages(convo[n:])
-            try:
+            with contextlib.suppress(TemplateError):  # the template rewrites earlier turns once more follow: compact
                 if images.has_images(new):
                     delta, ims = await images.render_delta(s.generate, s.rollout_id, s.tokenizer, new,
                                                            seg.token_ids[-1], s.cfg, len(seg.images))
                 else:
                     delta, ims = await asyncio.to_thread(render_delta, s.tokenizer, new, seg.token_ids[-1]), []
                 return seg.token_ids + delta, False, seg.images + images.shifted(ims, len(seg.token_ids))
-            except TemplateError:
-                pass  # the template rewrites earlier turns once more follow: compact
         msgs = wire.template_messages(convo)
         if images.has_images(msgs):
             ids, ims = await images.render_spliced(s.generate, s.rollout_id, s.tokenizer, msgs, _spliced(s, convo),
@@ -316,9 +315,8 @@ def build_app(srv: ChatServer) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)  # a ChatError; unknown paths, wrong methods: the same shapes
     async def http_error(request: Request, e: StarletteHTTPException):
-        if request.url.path.endswith("/messages"):
-            return JSONResponse(wire.anthropic_error(str(e.detail), e.status_code), status_code=e.status_code)
-        body = wire.openai_error(str(e.detail), e.status_code, getattr(e, "code", None))
+        body = (wire.anthropic_error(str(e.detail), e.status_code) if request.url.path.endswith("/messages") else
+                wire.openai_error(str(e.detail), e.status_code, getattr(e, "code", None)))
         return JSONResponse(body, status_code=e.status_code)
 
     @app.get("/s/{sid}/v1/models")

@@ -163,10 +163,6 @@ def render_delta(tokenizer, messages: list[dict], last_token_id: int | None) -> 
     return _encode(tokenizer, tail, held)
 
 
-async def _first_observation(env, sample: dict) -> list[dict]:
-    return await _user(env.reset) if hasattr(env, "reset") else sample["messages"]
-
-
 async def _step(env, action: str) -> tuple[list[dict], float, bool]:
     out = await _user(env.step, action)
     try:
@@ -182,7 +178,7 @@ async def _drive(ro: Rollout, generate: Generate, tokenizer, make_env, sample: d
     assert cfg.max_turns >= 1 and cfg.max_tokens_per_turn >= 1, "set agent.max_turns, agent.max_tokens_per_turn >= 1"
     seg = ro.segments[0]
     env = await _user(make_env, sample)
-    first = await _first_observation(env, sample)
+    first = await _user(env.reset) if hasattr(env, "reset") else sample["messages"]
     if images.has_images(first):  # rendered by the engine (molt/agents/images.py)
         ids, ims = await images.render(generate, ro.rollout_id, first, cfg)
         seg.append(ids, images=ims)

@@ -83,11 +83,13 @@ class RolloutWorker:
             for t in inflight:
                 t.cancel()
 
+    def _run_group(self, sample: dict, group_id: str, n: int, sampling: dict):
+        return run_group(self.cfg.agent.mode, self.router, self.tokenizer, self.agent, sample, group_id, n,
+                         self.cfg.agent, sampling, release=self.router.release, retry=self.retry)
+
     async def _group(self, index: int, sample: dict):
         t0 = time.time()
-        group = await run_group(self.cfg.agent.mode, self.router, self.tokenizer, self.agent, sample, f"g{index}",
-                                self.cfg.rollout.n, self.cfg.agent, sampling_params(self.cfg.rollout),
-                                release=self.router.release, retry=self.retry)
+        group = await self._run_group(sample, f"g{index}", self.cfg.rollout.n, sampling_params(self.cfg.rollout))
         group.index = index
         group.timing = (t0, time.time())
         await self.queue.put_async(("group", group))
@@ -97,10 +99,7 @@ class RolloutWorker:
         rollouts are left out of the mean and counted (eval/failed)."""
         rows = load_jsonl(path)[:max_samples]
         sampling = sampling_params(self.cfg.rollout, temperature)
-        groups = await asyncio.gather(*[
-            run_group(self.cfg.agent.mode, self.router, self.tokenizer, self.agent, row, f"eval{i}", 1, self.cfg.agent,
-                      sampling, release=self.router.release, retry=self.retry)
-            for i, row in enumerate(rows)])
+        groups = await asyncio.gather(*(self._run_group(row, f"eval{i}", 1, sampling) for i, row in enumerate(rows)))
         rollouts = [r for g in groups for r in g.rollouts]
         rewards = [r.reward for r in rollouts if r.status != "failed"]
         return {"eval/reward": sum(rewards) / max(len(rewards), 1), "eval/samples": float(len(rollouts)),

@@ -25,7 +25,6 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 import contextlib
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -63,14 +62,12 @@ def server_cmd(cfg: EngineConfig, model_dir: str | Path, port: int, uds: str = "
     flags = {"--enforce-eager": cfg.enforce_eager, "--no-enable-prefix-caching": not cfg.enable_prefix_caching,
              "--enable-return-routed-experts": cfg.return_routed_experts}
     cmd += [flag for flag, on in flags.items() if on]
-    if cfg.speculative_config:
-        cmd += ["--speculative-config", cfg.speculative_config]
-    if cfg.sync == "nccl":  # the workers join actor rank 0's NCCL group on /init_weight_transfer_engine (nccl.py)
-        cmd += ["--weight-transfer-config", '{"backend": "nccl"}']
-    if cfg.tensor_parallel_size > 1:
-        cmd += ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
-    if cfg.data_parallel_size > 1:
-        cmd += ["--data-parallel-size", str(cfg.data_parallel_size)]
+    options = {"--speculative-config": cfg.speculative_config,
+               # the workers join actor rank 0's NCCL group on /init_weight_transfer_engine (nccl.py)
+               "--weight-transfer-config": '{"backend": "nccl"}' if cfg.sync == "nccl" else None,
+               "--tensor-parallel-size": cfg.tensor_parallel_size if cfg.tensor_parallel_size > 1 else None,
+               "--data-parallel-size": cfg.data_parallel_size if cfg.data_parallel_size > 1 else None}
+    cmd += [a for opt, value in options.items() if value for a in (opt, str(value))]  # options left unset: omitted
     return cmd + [str(a) for a in cfg.extra_args]
 
 
@@ -93,21 +90,16 @@ def group_pids(pgid: int) -> list[int]:
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        state, _ppid, pgrp = stat.rsplit(")", 1)[1].split()[:3]  # fields after "(comm)"
-        if int(pgrp) == pgid and state != "Z":
-            pids.append(int(entry))
+        with contextlib.suppress(OSError):  # the process exited meanwhile
+            state, _ppid, pgrp = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[:3]  # after "(comm)"
+            if int(pgrp) == pgid and state != "Z":
+                pids.append(int(entry))
     return pids
 
 
 def _killpg(pgid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def _log_tail(path: Path, n: int = 20) -> str:
@@ -176,13 +168,11 @@ class EngineServer:
             if not self.alive():
                 raise RuntimeError(f"engine {self.name} exited (code {self.proc.returncode}) before it was healthy; "
                                    f"last lines of {self.log_path}:\n{_log_tail(self.log_path)}")
-            try:
+            with contextlib.suppress(httpx.TransportError):
                 base, uds = _endpoint(self.url)
                 with httpx.Client(transport=httpx.HTTPTransport(uds=uds), timeout=5, trust_env=False) as http:
                     if http.get(base + "/health").status_code == 200:
                         return
-            except httpx.TransportError:
-                pass
             time.sleep(0.5)
         raise TimeoutError(f"engine {self.name} not healthy after {timeout:.0f} s (raise engine.startup_timeout_s "
                            f"if the machine is just slow); last lines of {self.log_path}:\n{_log_tail(self.log_path)}")
@@ -288,7 +278,7 @@ class RemoteEngine:
             self._get("stop")
 
 
-@contextmanager
+@contextlib.contextmanager
 def launch_engines(cfg: EngineConfig, model_dir: str | Path, log_dir: str | Path, tasks: list[int] = (),
                    gpus: bool = False) -> Iterator[list]:
     """Start cfg.num_engines servers concurrently, wait until all are healthy, always stop them. `tasks`: the Slurm

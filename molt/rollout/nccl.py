@@ -56,9 +56,8 @@ class Buckets(WeightSource):
 
     def __init__(self, model, bucket_bytes: int, dtype: torch.dtype = torch.bfloat16, device="cpu"):
         self.model, self.dtype, self.device = model, dtype, device
-        shapes = _global_shapes(model)
-        self.buckets = buckets({k: s.numel() * dtype.itemsize for k, s in shapes.items()}, bucket_bytes)
-        self.shapes = shapes
+        self.shapes = _global_shapes(model)
+        self.buckets = buckets({k: s.numel() * dtype.itemsize for k, s in self.shapes.items()}, bucket_bytes)
 
     def _hf(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return revert_weight_conversion(self.model, tensors)  # fused experts -> the checkpoint's per-expert names

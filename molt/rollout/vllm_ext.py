@@ -30,8 +30,7 @@ class MoltWorker:
     def molt_reload_weights(self, weights_path: str) -> int:
         """reload_weights from a safetensors directory, then prepack CPU experts again; returns layers fixed."""
         self.model_runner.reload_weights(weights_path=weights_path)
-        fixed = 0
-        for layer, experts in _cpu_experts(self.model_runner.get_model()):
+        fixed = list(_cpu_experts(self.model_runner.get_model()))
+        for layer, experts in fixed:
             experts.process_weights_after_loading(layer)  # pad + prepack the freshly loaded checkpoint layout
-            fixed += 1
-        return fixed
+        return len(fixed)
