@@ -6,8 +6,9 @@
 pause: a long tail of reply lengths (10% of the rollouts ask for 896 tokens, the rest for 16) trained with
 engine.pause_mode=wait, then keep (with is_correction.level=token, which keep requires). With wait a sync waits for
 the longest reply in flight while new requests queue; with keep it freezes them and they go on under the new
-weights. Printed per mode: time/step, time/sync and the engines' idle share (a side thread samples each engine's
-Prometheus `vllm:num_requests_running` every 50 ms over the timed steps: the share of samples with none running).
+weights. Printed per mode: time/step, time/sync, time/train, generated tokens per step, staleness/token_mean and
+the engines' idle share (a side thread samples each engine's Prometheus `vllm:num_requests_running` every 50 ms over
+the timed steps: the share of samples with none running).
 
 sticky: 2 engines (32-token cache blocks), 6-turn rollouts whose history (48-token replies) is their own,
 rollout.sticky=true then false (every request to the least-loaded engine), printing engine/prefix_cache_hit_rate (the
@@ -101,7 +102,8 @@ def run_one(out: Path, overrides: list[str], sample_idle: bool) -> tuple[dict, l
     sampler.done.set()
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
     run = client.search_runs([e.experiment_id for e in client.search_experiments()])[0]
-    keys = ["time/step", "time/sync", "time/generate", "reward/mean", "engine/prefix_cache_hit_rate"]
+    keys = ["time/step", "time/sync", "time/generate", "time/train", "reward/mean", "engine/prefix_cache_hit_rate",
+            "rollout/gen_tokens", "staleness/token_mean"]
     hist = {k: sorted(client.get_metric_history(run.info.run_id, k), key=lambda m: m.step) for k in keys}
     return hist, sampler.samples
 
@@ -138,9 +140,11 @@ def main() -> None:
             rows.append((name, med, idle_share(samples, hist, skip) if pause else None))
     print(f"\n{args.what}: medians over steps {skip}-{steps - 1}, load average {psutil.getloadavg()[0]:.1f}")
     if pause:
-        print("| pause_mode | time/step | time/sync | engine idle share |\n|---|---|---|---|")
+        print("| pause_mode | time/step | time/sync | time/train | generated tokens/step | staleness/token_mean "
+              "| engine idle share |\n|---|---|---|---|---|---|---|")
         for name, m, idle in rows:
-            print(f"| {name} | {m['time/step']:.2f} | {m['time/sync']:.2f} | {idle:.2f} |")
+            print(f"| {name} | {m['time/step']:.2f} | {m['time/sync']:.2f} | {m['time/train']:.2f} "
+                  f"| {m['rollout/gen_tokens']:.0f} | {m['staleness/token_mean']:.2f} | {idle:.2f} |")
     else:
         print("| routing | prefix-cache hit rate | time/generate |\n|---|---|---|")
         for name, m, _ in rows:
