@@ -47,6 +47,7 @@ def save(ckpt_dir: str, step: int, actor, data_position: int, model_dir: str | P
         tmp.mkdir(parents=True)
     _barrier()
     actor.save(str(tmp))
+    _barrier()  # every rank's files (its RNG is written after DCP's last collective) are in tmp before it moves
     if lead:
         shutil.copytree(model_dir, tmp / "hf", ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
         _write_json(tmp / STATE, {"step": step, "data_position": data_position, "layout": list(actor.layout),

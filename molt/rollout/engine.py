@@ -192,11 +192,13 @@ class EngineServer:
         if self.proc is None:
             return
         pgid = self.proc.pid
-        _killpg(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while group_pids(pgid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        _killpg(pgid, signal.SIGKILL)  # stragglers, e.g. an EngineCore orphaned by a crashed API server
+        # SIGTERM; then SIGKILL the stragglers (an EngineCore orphaned by a crashed API server); each time wait until
+        # the group is gone: a killed process takes a moment to exit, longer on a loaded machine
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            _killpg(pgid, sig)
+            deadline = time.monotonic() + wait_s
+            while group_pids(pgid) and time.monotonic() < deadline:
+                time.sleep(0.1)
         self.proc.wait()
 
 
