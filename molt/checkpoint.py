@@ -188,9 +188,10 @@ def export_hf(ckpt: str | Path, out_dir: str | Path) -> Path:
     ckpt = Path(ckpt)
     config = AutoConfig.from_pretrained(str(ckpt / "hf"))
     model = empty_on(meta_model(ckpt / "hf", getattr(torch, str(config.dtype).removeprefix("torch."))), "cpu")
-    state = untied(get_model_state_dict(model))
-    dcp.load({"model": state}, storage_reader=dcp.HuggingFaceStorageReader(str(ckpt / "policy")), no_dist=True)
-    model.load_state_dict(state, strict=False)  # a tied head is loaded with its embedding
+    state = get_model_state_dict(model)  # a tied head's entry is its embedding's tensor: loaded with it, in place
+    dcp.load({"model": untied(state)}, storage_reader=dcp.HuggingFaceStorageReader(str(ckpt / "policy")),
+             no_dist=True)
+    model.load_state_dict(state)
     shutil.copytree(ckpt / "hf", out_dir, dirs_exist_ok=True)  # tokenizer files; save_pretrained rewrites the config
     model.save_pretrained(str(out_dir))
     return Path(out_dir)
