@@ -39,7 +39,7 @@ from molt.assets import ensure_model
 from molt.config import derived
 from molt.fleet import Fleet
 from molt.rollout.engine import launch_engines
-from molt.types import Segment
+from molt.types import EngineDied, Segment
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +196,10 @@ def next_item(queue, fleet: Fleet, stop: threading.Event | None = None):
             return "stop", None
         fleet.check()
         with contextlib.suppress(Empty):
-            return queue.get(timeout=2.0)
+            kind, item = queue.get(timeout=2.0)
+            if kind == "error" and isinstance(item, EngineDied) and fleet.reports is None:  # engine.max_restarts=0
+                fleet.restart(item.name, item.detail)  # raises, naming the limit (the worker saw the death first)
+            return kind, item
 
 
 def collect(pop, cfg, version: int, refund):
