@@ -75,6 +75,7 @@ class EngineConfig:
     request_timeout_s: float = 120.0
     sync: str = "reload"  # weight sync path: reload (CPU) | nccl (GPU clusters)
     sync_dir: str = "/dev/shm"  # where `reload` writes safetensors
+    sync_bucket_mb: int = 1024  # `nccl`: weights gathered and broadcast this many MiB at a time (packed buffers)
     pause_mode: str = "wait"  # weight sync: wait (requests in flight finish first) | keep (they freeze and go on
     # under the new weights, each token labelled with its version; needs is_correction)
     probe_tol: float = 1e-3  # max |engine - actor| log-prob on the probe after each sync (bf16 GPU engines differ more)

@@ -22,7 +22,9 @@ import ray
 from ray.util.queue import Queue
 
 from molt.agents import images
+from molt.cluster import free_port, node_address
 from molt.rollout.engine import EngineDied
+from molt.rollout.nccl import sync_nccl
 from molt.rollout.reload import sync_weights, verify_sync
 from molt.types import Segment
 
@@ -42,6 +44,7 @@ class Fleet:
         self.cache: dict[str, tuple[float, float]] = {}  # prefix-cache (hits, lookups) counters at the last step
         self.reports = Queue() if cfg.engine.max_restarts > 0 else None  # (name, incarnation) from the worker
         self.worker = None  # the rollout worker, told when an engine is back
+        self.joined = False  # engine.sync=nccl: the actor and the engines form the weight-transfer group
 
     def sync(self, version: int, probe: Segment | None = None) -> float:
         """Weights `version` into every engine, then the max |engine - actor| log-prob on `probe` (a segment,
@@ -55,8 +58,15 @@ class Fleet:
                 self.restart(e.name, e.detail)
 
     async def _push(self, clients) -> float:
-        if self.version:  # a fresh engine serves version 0, the model directory's weights
-            e = self.cfg.engine
+        e = self.cfg.engine
+        if self.version and e.sync == "nccl":  # every engine at once, over the group (formed again after a restart)
+            if not self.joined:
+                address = node_address()
+                await asyncio.to_thread(self.actor.connect_engines, list(self.clients.values()),
+                                        e.sync_bucket_mb << 20, e.dtype, address, free_port(address))
+                self.joined = True
+            await sync_nccl(list(self.clients.values()), self.actor.send_weights, self.version, e.pause_mode)
+        elif self.version:  # a fresh engine serves version 0, the model directory's weights
             await sync_weights(clients, self.actor.export_weights(), self.version, e.sync_dir, e.pause_mode)
         expected = self.actor.logprobs([self.probe], self.cfg.rollout.temperature)[0][1:]
         features = await images.engine_features(clients[0], self.probe.images)  # an image prompt probes the vision tower
@@ -89,6 +99,9 @@ class Fleet:
         self.total += 1
         log.warning("engine %s died (%s): restarting it (%d of engine.max_restarts=%d within %g s)", name, why,
                     len(self.restarts), e.max_restarts, e.restart_window_s)
+        if self.joined:  # engine.sync=nccl: the group lost a member; the next push forms it again
+            self.actor.disconnect_engines()
+            self.joined = False
         self.servers[name].restart()
         self.epoch[name] += 1
         client = self.clients[name]

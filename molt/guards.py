@@ -241,9 +241,13 @@ def routes_need_gpu(cfg, hf):
 def sync_path(cfg, hf):
     if cfg.engine.sync not in SYNC_PATHS:
         return f"engine.sync={cfg.engine.sync!r} is unknown: use one of {sorted(SYNC_PATHS)}"
-    if cfg.engine.sync == "nccl" and not cfg.dry_run:
-        return ("engine.sync=nccl (NCCL broadcast to CUDA vLLM engines, molt/rollout/nccl.py) is not wired into the "
-                "loop yet: use engine.sync=reload (dry_run=true still plans it)")
+    if cfg.engine.sync == "nccl" and cfg.cluster.gpus_per_node == 0 and not cfg.dry_run:
+        return ("engine.sync=nccl broadcasts from the actor's GPU to CUDA vLLM engines over NCCL (molt/rollout/nccl.py; "
+                "unverified, README): it needs GPUs (cluster.gpus_per_node > 0). On CPU use engine.sync=reload")
+    if cfg.engine.sync == "nccl" and cfg.engine.dtype not in ("float32", "bfloat16", "float16"):
+        return f"engine.sync=nccl sends the weights in engine.dtype: set it to bfloat16, float16 or float32, not {cfg.engine.dtype!r}"
+    if cfg.engine.sync_bucket_mb < 1:
+        return f"engine.sync_bucket_mb={cfg.engine.sync_bucket_mb}: the NCCL sync's buckets need at least 1 MiB"
     if cfg.engine.probe_tol <= 0:
         return f"engine.probe_tol={cfg.engine.probe_tol}: the sync probe's tolerance must be > 0"
     if cfg.engine.pause_mode not in ("wait", "keep"):

@@ -147,6 +147,7 @@ class Actor:
         self.dtype, self.attn = dtype, attn_implementation
         self.objective = objective or Objective()
         self.helpers: dict = {}
+        self.transfer = None  # engine.sync=nccl: the trainer side of the engines' weight-transfer group
         self.model = self.build(model_dir, trainable=True, replay=train.routing_replay)
         # fused: one kernel for the whole update on the GPU (foreach AdamW took a quarter of an MoE step there)
         on_gpu = self.device.type == "cuda" and (fsdp is None or fsdp.offload != "optimizer")
@@ -292,6 +293,25 @@ class Actor:
         3-D gate_up_proj/down_proj); an engine reloading the fused names silently keeps its old experts, so
         the conversion is reverted here, as save_pretrained does."""
         return revert_weight_conversion(self.model, parallel.full_tensors(self.model, head=True))
+
+    def connect_engines(self, clients: list, bucket_bytes: int, dtype: str, address: str, port: int) -> None:
+        """engine.sync=nccl: join the engines' weight-transfer group, NCCL rank 0 at address:port (a collective:
+        rank 0 sends, the others take part in the gathers; molt/rollout/nccl.py)."""
+        from molt.rollout import nccl
+
+        rank = torch.distributed.get_rank() if self.mesh is not None else 0
+        self.transfer = nccl.connect(self.model, clients, bucket_bytes, rank, address, port, dtype)
+
+    def send_weights(self) -> None:
+        """engine.sync=nccl: the current weights to every engine, bucket by bucket (a collective)."""
+        self.transfer.send_weights()
+
+    def disconnect_engines(self) -> None:
+        """Leave the weight-transfer group (before an engine is replaced: the group is formed again with it)."""
+        if self.transfer is not None and self.transfer.is_sender:
+            self.transfer.client.shutdown_weight_transfer_engine()
+            self.transfer.shutdown()
+        self.transfer = None
 
     def _trained(self) -> dict:
         return {"policy": (self.model, self.optimizer)} | {

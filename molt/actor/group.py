@@ -80,7 +80,8 @@ class ActorGroup:
     (molt/checkpoint.py); `load` restores from a checkpoint written by any layout."""
 
     # the Actor methods the loop and the checkpoint call on a group: each a collective over the ranks
-    METHODS = {"train_step", "train_helpers", "logprobs", "score", "export_weights", "save", "load"}
+    METHODS = {"train_step", "train_helpers", "logprobs", "score", "export_weights", "save", "load",
+               "connect_engines", "send_weights", "disconnect_engines"}
 
     def __init__(self, cfg, model_dir):
         import ray

