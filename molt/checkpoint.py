@@ -31,6 +31,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor, Shard
 
+from molt.actor.master import MasterAdamW
+
 STATE = "state.json"
 
 
@@ -146,6 +148,11 @@ def untied(state: dict) -> dict:
 def _payload(model, optimizer, mesh) -> tuple[dict, dict]:
     model_sd = untied(get_model_state_dict(model))
     optim_sd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=False))
+    if isinstance(optimizer, MasterAdamW):  # the fp32 masters are the weights on disk, as with FSDP2's fp32 params
+        params = dict(model.named_parameters(remove_duplicate=False))
+        model_sd = {k: optimizer.state[params[k]]["master"] if params.get(k) in optimizer.state else t
+                    for k, t in model_sd.items()}
+        optim_sd["state"] = {k: {n: v for n, v in s.items() if n != "master"} for k, s in optim_sd["state"].items()}
     return {"model": global_view(model, model_sd, mesh), "optim": global_view(model, optim_sd["state"], mesh)}, optim_sd
 
 

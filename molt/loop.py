@@ -151,7 +151,7 @@ class Clock:
 
 def make_actor(cfg, model_dir: Path):
     """One in-process Actor for world size 1 on CPU (the reference path); else a group of ranks on the (dp, ep, cp)
-    mesh, each on its own GPU when the cluster has GPUs (one rank too: the FSDP2 mixed-precision path)."""
+    mesh, each on its own GPU when the cluster has GPUs (one rank too, on its GPU: fp32 masters in the optimizer)."""
     if derived(cfg)["world_size"] > 1 or cfg.cluster.gpus_per_node > 0:
         from molt.actor.group import ActorGroup
 

@@ -274,14 +274,15 @@ def numerics(path: Path, cfg, row_tokens: int, lr: float = 1e-5, steps: int = 4)
     against the reference's change: what bf16 compute and bf16 weights cost in accuracy."""
     segs = segments(1, row_tokens, cfg.vocab_size, seed=2)
     adv = [1.0 if i % 2 else -1.0 for i in range(len(segs))]
-    paths = {"fp32": dict(dtype="float32"), "bf16": dict(dtype="bfloat16"),
-             "fp32+FSDP2 bf16 compute": dict(dtype="float32", mesh=True)}
+    paths = {"fp32": dict(dtype="float32", master=False), "bf16": dict(dtype="bfloat16"),
+             "fp32+FSDP2 bf16 compute": dict(dtype="float32", mesh=True),
+             "fp32 masters in the optimizer, bf16 compute": dict(dtype="float32")}  # the 1-GPU default
     out = {}
     for name, v in paths.items():
         cleanup()
         kw = dict(fsdp=FsdpConfig(), mesh=one_mesh()) if v.get("mesh") else {}
         act = Actor(path, TrainConfig(row_tokens=row_tokens, lr=lr), dtype=v["dtype"],
-                    attn_implementation="flex_attention", device="cuda", **kw)
+                    attn_implementation="flex_attention", device="cuda", master=v.get("master"), **kw)
         before = torch.tensor(sum(act.logprobs(segs), []))
         loss, changes = act.train_step(segs, adv)["loss/policy"], []
         for i in range(1, steps + 1):
@@ -373,9 +374,11 @@ def matmul_ceiling() -> float:
 # ---- the run -----------------------------------------------------------------------------------------------------
 
 FP32 = dict(attn="flex_attention", dtype="float32", mesh=True)  # fp32 masters through FSDP2 (bf16 compute)
+MASTER = dict(attn="flex_attention", dtype="float32")  # no mesh: fp32 masters in the optimizer (the 1-GPU default)
 VARIANTS = {  # most telling first: --deadline skips the tail. compile = train.compile (layers + head), AC =
-    # train.activation_checkpointing; every actor variant uses fused AdamW (the actor's default on CUDA)
+    # train.activation_checkpointing; every other actor variant uses fused AdamW (the actor's default on CUDA)
     "dense": [
+        dict(name="actor fp32 masters in optimizer +compile", compile=True, **MASTER),
         dict(name="actor fp32+FSDP2 bf16 flex +compile", compile=True, **FP32),
         dict(name="fp32+FSDP2 +compile as before", compile=True, before=True, **FP32),
         dict(name="fp32+FSDP2 +compile keep-unsharded", compile=True, keep_unsharded=True, **FP32),
@@ -386,6 +389,8 @@ VARIANTS = {  # most telling first: --deadline skips the tail. compile = train.c
         dict(name="actor bf16 flex +AC", attn="flex_attention", ac=True),
     ],
     "moe": [
+        dict(name="actor fp32 masters in optimizer +compile", compile=True, **MASTER),
+        dict(name="actor fp32 masters in optimizer +AC +compile", ac=True, compile=True, **MASTER),
         dict(name="actor fp32+FSDP2 bf16 flex +compile", compile=True, **FP32),
         dict(name="fp32+FSDP2 +compile as before", compile=True, before=True, **FP32),
         dict(name="fp32+FSDP2 +compile keep-unsharded", compile=True, keep_unsharded=True, **FP32),
@@ -396,7 +401,7 @@ VARIANTS = {  # most telling first: --deadline skips the tail. compile = train.c
         dict(name="actor bf16 flex +AC +compile", attn="flex_attention", ac=True, compile=True),
     ],
 }
-PROFILE = {"actor fp32+FSDP2 bf16 flex +compile"}  # profiled after timing
+PROFILE = {"actor fp32 masters in optimizer +compile"}  # profiled after timing
 STEPS = [5]  # timed steps per variant (--steps)
 
 

@@ -18,6 +18,7 @@ from transformers.core_model_loading import revert_weight_conversion
 
 from molt.actor import attention, context, loading, parallel, speed, vision
 from molt.actor import replay as replay_mod
+from molt.actor.master import MasterAdamW
 from molt.actor.pack import NO_TARGET, align_next, cp_slice, micro_batches, pack, to_device, unalign
 from molt.algo.loss import Objective, combine
 from molt.checkpoint import load_models, save_models
@@ -92,7 +93,8 @@ def load_model(model_dir: str | Path, dtype: str, attn_implementation: str, devi
     """The whole Hugging Face causal LM (or vision-language model, vision.py) on one device, in eval mode (no dropout:
     its forward is the engine's); frozen unless trainable. The transforms (checkpointing, compile, replay, layout)
     are parallel.parallelize's. MoE experts run transformers' default "grouped_mm" implementation (speed.py says why)."""
-    model = vision.model_class(model_dir).from_pretrained(str(model_dir), dtype=_dtype(dtype),
+    on_gpu = {"device_map": str(device)} if torch.device(device).type == "cuda" else {}  # tensor by tensor to it
+    model = vision.model_class(model_dir).from_pretrained(str(model_dir), dtype=_dtype(dtype), **on_gpu,
                                                           attn_implementation=attn_implementation).to(device)
     model.eval().requires_grad_(trainable)
     vision.attach(model, model_dir, freeze=freeze_vision)
@@ -135,7 +137,7 @@ class Actor:
 
     def __init__(self, model_dir: str | Path, train: TrainConfig, dtype: str = "float32",
                  attn_implementation: str | None = None, device: str = "cpu", objective=None,
-                 fsdp: FsdpConfig | None = None, mesh: DeviceMesh | None = None):
+                 fsdp: FsdpConfig | None = None, mesh: DeviceMesh | None = None, master: bool | None = None):
         # a vision tower attends under its own padding mask, which molt_varlen (no mask function) would drop
         attn_implementation = attn_implementation or ("sdpa" if vision.is_vision(model_dir) else
                                                       speed.fast_attention(device))
@@ -145,14 +147,22 @@ class Actor:
             torch.set_num_threads(train.num_threads)
         self.cfg, self.device, self.mesh, self.fsdp = train, torch.device(device), mesh, fsdp
         self.dtype, self.attn = dtype, attn_implementation
+        # fp32 on one GPU: bf16 compute, the fp32 masters in the optimizer (master.py; on CPU only when asked)
+        self.master = (self.device.type == "cuda" and mesh is None and dtype == "float32") if master is None else master
         self.objective = objective or Objective()
         self.helpers: dict = {}
         self.transfer = None  # engine.sync=nccl: the trainer side of the engines' weight-transfer group
         self.model = self.build(model_dir, trainable=True, replay=train.routing_replay)
-        # fused: one kernel for the whole update on the GPU (foreach AdamW took a quarter of an MoE step there)
-        on_gpu = self.device.type == "cuda" and (fsdp is None or fsdp.offload != "optimizer")
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train.lr, betas=tuple(train.betas),
-                                           weight_decay=train.weight_decay, fused=on_gpu or None)
+        self.optimizer = self.adamw(self.model, train.lr)
+
+    def adamw(self, model, lr: float) -> torch.optim.Optimizer:
+        """The optimizer of a trained model: MasterAdamW (casts the model to bf16) when self.master; else AdamW,
+        fused on the GPU (one kernel for the whole update: foreach AdamW took a quarter of an MoE step there)."""
+        kw = dict(lr=lr, betas=tuple(self.cfg.betas), weight_decay=self.cfg.weight_decay)
+        if self.master:
+            return MasterAdamW(model.parameters(), compile=self.device.type == "cuda", **kw)
+        on_gpu = self.device.type == "cuda" and (self.fsdp is None or self.fsdp.offload != "optimizer")
+        return torch.optim.AdamW(model.parameters(), fused=on_gpu or None, **kw)
 
     def build(self, model_dir, trainable: bool, replay: bool, fresh: dict | None = None):
         """A model (the policy or a helper) in this actor's dtype, device and layout. Without a mesh it is loaded
@@ -162,8 +172,9 @@ class Actor:
         layout = dict(checkpointing=trainable and self.cfg.activation_checkpointing, replay=replay,
                       compile_head=_chosen_logprobs if self.cfg.compile else None,
                       mixed_precision=self.device.type == "cuda" and self.dtype == "float32")
-        if self.mesh is None:
-            model = load_model(model_dir, self.dtype, self.attn, self.device, trainable, self.cfg.freeze_vision)
+        if self.mesh is None:  # self.master: a frozen model in bf16; a trained one in fp32 until adamw() casts it
+            dtype = "bfloat16" if self.master and not trainable else self.dtype
+            model = load_model(model_dir, dtype, self.attn, self.device, trainable, self.cfg.freeze_vision)
             for name, make in fresh.items():
                 setattr(model, name, _zeros(make(model)).to(self.device).requires_grad_(trainable))
             return parallel.parallelize(model, None, **layout)
@@ -189,7 +200,9 @@ class Actor:
             raise ValueError("the batch has no generated (loss-mask 1) tokens to train on")
         n_seq = num_sequences or sum(s.num_generated > 0 for s in segments)
         totals: dict[str, torch.Tensor] = {}
-        for mb in self.micro_batches(batch):
+        mbs = self.micro_batches(batch)
+        self.optimizer.stash = len(mbs) > 1  # MasterAdamW: several micro-batches accumulate in fp32
+        for mb in mbs:
             with torch.no_grad():  # helper scores the objective takes, e.g. the KL reference's log-probs, (r, t) each
                 aux = {n: self.helpers[n].score(mb, temperature) for n in self.objective.needs}
             with replay_mod.routes(self.model, mb):  # held through backward: checkpointed layers re-route there
@@ -244,11 +257,12 @@ class Actor:
         clipped as below without one more read and write of every fp32 gradient."""
         params = list(params)
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        fused = optimizer is not None and optimizer.defaults.get("fused")
+        fused = optimizer is not None and (optimizer.defaults.get("fused") or isinstance(optimizer, MasterAdamW))
         if self.mesh is None and not fused:
             return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        grads = optimizer.grads() if isinstance(optimizer, MasterAdamW) else [p.grad for p in params if p.grad is not None]
         norm = parallel.grad_norm(params, self.device) if self.mesh is not None else \
-            torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
+            torch.nn.utils.get_total_norm(grads, foreach=True)
         if fused:
             optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0).float()  # 1 / clip_grad_norm_'s coef
             return norm

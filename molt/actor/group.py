@@ -63,7 +63,8 @@ class Rank:
 
     def __init__(self, rank: int, world_size: int, addr: str, port: int, gpu: bool, model_dir: str, cfg):
         device = init_distributed(rank, world_size, port, gpu, addr)
-        self.actor = run_actor(cfg, model_dir, device, mesh=True)
+        # one rank (on a GPU) has no mesh unless it offloads: no FSDP, the fp32 masters in the optimizer (master.py)
+        self.actor = run_actor(cfg, model_dir, device, mesh=world_size > 1 or cfg.fsdp.offload != "none")
         self.rank = rank
 
     def call(self, method: str, *args):

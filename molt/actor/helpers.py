@@ -44,9 +44,7 @@ class Critic:
         # the value head sits on the root (FSDP shards it too), zero-initialised; lm_head stays unused (no gradient)
         head = lambda m: torch.nn.Linear(m.get_output_embeddings().in_features, 1, dtype=m.dtype)  # noqa: E731
         self.model = actor.build(path, trainable=True, replay=False, fresh={"molt_value_head": head})
-        t = actor.cfg
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=tuple(t.betas),
-                                           weight_decay=t.weight_decay)
+        self.optimizer = actor.adamw(self.model, lr)
 
     def score(self, mb: Batch, temperature: float = 1.0) -> torch.Tensor:
         """(r, t) values in the batch's alignment, 0 where no token is predicted (as token_logprobs)."""
@@ -64,12 +62,14 @@ class Critic:
         n = int(batch.loss_mask.sum())
         self.optimizer.zero_grad(set_to_none=True)
         totals = {}
-        for mb in self.actor.micro_batches(batch):
+        mbs = self.actor.micro_batches(batch)
+        self.optimizer.stash = len(mbs) > 1  # MasterAdamW: several micro-batches accumulate in fp32
+        for mb in mbs:
             v = self.score(mb)  # (r, t)
             loss, metrics = value_loss(v, v.detach(), mb.advantages, mb.loss_mask, n, self.clip)
             loss.backward()
             totals = combine(totals, metrics)
-        norm = float(self.actor.clip_grads(self.model.parameters()))
+        norm = float(self.actor.clip_grads(self.model.parameters(), self.optimizer))
         if not math.isfinite(norm):
             raise FloatingPointError(f"critic gradient norm is {norm}: lower estimator.critic_lr")
         self.optimizer.step()

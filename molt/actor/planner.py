@@ -9,7 +9,8 @@ FSDP2 gives rank 0 the largest shard, so it is the worst case), and every number
 resulting local shards. Only activations are estimated, by a formula (`activation_bytes`).
 
 Bytes per sharded parameter element (AdamW): on GPU the sharded params are the fp32 master copy
-(bf16 only while gathered for compute), so params 4 + grads 4 + two AdamW moments 8 = 16 B;
+(bf16 only while gathered for compute), so params 4 + grads 4 + two AdamW moments 8 = 16 B; one GPU rank
+without offload has no FSDP (bf16 params 2 + fp32 masters 4 + bf16 grads 2 + moments 8, nothing gathered);
 on CPU everything is in model.dtype. `fsdp.offload=optimizer` keeps all of these on the host
 (FSDP2 CPUOffloadPolicy: the optimizer step runs there), leaving the gathered layers on the GPU.
 Assumed, not measured: balanced expert routing (each ep rank computes its share, k x tokens on
@@ -159,10 +160,13 @@ def plan_memory(cfg) -> Plan:
     layers = layers[:2]
     states = {"params": params * state_bytes, "grads": params * state_bytes, "optimizer": 2 * params * state_bytes}
     offload = f.offload == "optimizer"
+    master = c.gpus_per_node > 0 and derived(cfg)["world_size"] == 1 and not offload  # molt/actor/master.py
+    if master:
+        states |= {"params": params * (compute_bytes + 4), "grads": params * compute_bytes}
     gpu = {} if offload else dict(states)
     # gathered for compute: the root (embeddings, head: kept through forward and backward) and two layers
     # (one computing, one prefetched); backward reduce-scatters one layer's grads in fp32
-    gpu["gathered"] = compute_bytes * (root + sum(layers)) + 4 * (layers[0] if layers else root)
+    gpu["gathered"] = 0 if master else compute_bytes * (root + sum(layers)) + 4 * (layers[0] if layers else root)
     gpu["activations"] = acts
     if c.gpus_per_node:
         gpu["runtime"] = RUNTIME_GIB * GIB
@@ -171,6 +175,9 @@ def plan_memory(cfg) -> Plan:
              "gathered": f"{compute_bytes} B x (root {root / 1e6:.0f}M + 2 layers {sum(layers) / 1e6:.0f}M) "
                          f"+ 4 B x reduce-scatter {(layers[0] if layers else root) / 1e6:.0f}M",
              "activations": how, "runtime": "CUDA context, NCCL buffers, fragmentation (rule of thumb)"}
+    if master:
+        notes |= {"params": f"{params / 1e9:.3f}B elements x (2 B bf16 + 4 B fp32 master in the optimizer)",
+                  "grads": "x 2 B (bf16)", "gathered": "one rank: no FSDP"}
     world = derived(cfg)["world_size"]
     where = f"{c.num_nodes} x {c.gpus_per_node} GPUs of {c.gpu_memory_gib:g} GiB" if c.gpus_per_node else "cpu"
     layout = (f"{cfg.model.name} {total / 1e9:.2f}B params ({total_expert / 1e9:.2f}B routed experts), "

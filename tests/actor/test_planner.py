@@ -97,6 +97,18 @@ def test_qwen3_30b_a3b_plan_with_cp():
     assert cpu.gpu["activations"] - 12 * logits == 2 * (plan.gpu["activations"] - 10 * logits)  # fp32 vs bf16
 
 
+def test_one_gpu_plans_fp32_masters_in_the_optimizer_and_no_fsdp():
+    """World size 1 on a GPU (molt/actor/master.py): bf16 weights + fp32 masters, bf16 grads, fp32 moments, and no
+    gathered layers; with offload it keeps FSDP2 (fp32 params on the host)."""
+    cfg = run_config("qwen3_30b_a3b", gpus=1, activation_checkpointing=True)
+    total = read_shards(cfg)[0]
+    plan = plan_memory(cfg)
+    assert plan.gpu["params"] == 6 * total and plan.gpu["grads"] == 2 * total and plan.gpu["optimizer"] == 8 * total
+    assert plan.gpu["gathered"] == 0 and not plan.fits  # 30B x 16 B on one 79 GiB GPU
+    cfg.fsdp.offload = "optimizer"
+    assert plan_memory(cfg).host["params"] == 4 * total
+
+
 def test_planner_never_replaces_the_callers_process_group(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
