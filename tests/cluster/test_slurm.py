@@ -135,7 +135,7 @@ def requeue(job: str) -> None:
 
 
 def test_requeued_job_resumes_its_checkpoint_and_mlflow_run(slurm, tmp_path):
-    proc, job = submit(*TINY, "train.steps=300", "train.save_every=2", "eval.every=0", f"hydra.sweep.dir={tmp_path}")
+    proc, job = submit(*TINY, "train.steps=60", "train.save_every=2", "eval.every=0", f"hydra.sweep.dir={tmp_path}")
     wait_for("0/checkpoints/step_*", tmp_path)
     requeue(job)
     out, err = proc.communicate(timeout=600)
@@ -144,8 +144,8 @@ def test_requeued_job_resumes_its_checkpoint_and_mlflow_run(slurm, tmp_path):
     assert "resume=true: continuing from" in log, log[-3000:]
     client, (run,) = runs(f"sqlite:///{tmp_path / 'mlflow.db'}")  # one run across both starts
     assert run.info.status == "FINISHED"
-    assert {m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")} == set(range(300))
-    assert (tmp_path / "0" / "checkpoints" / "step_0000300" / "state.json").exists()
+    assert {m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")} == set(range(60))
+    assert (tmp_path / "0" / "checkpoints" / "step_0000060" / "state.json").exists()
 
 
 def test_scancel_leaves_no_process_behind(slurm, tmp_path):
