@@ -42,7 +42,7 @@ class Fleet:
         self.restarts: deque[float] = deque()  # when, within the window
         self.total = 0
         self.cache: dict[str, tuple[float, float]] = {}  # prefix-cache (hits, lookups) counters at the last step
-        self.reports = Queue() if cfg.engine.max_restarts > 0 else None  # (name, incarnation) from the worker
+        self.reports = Queue()  # (name, incarnation) of an engine the worker saw fail
         self.worker = None  # the rollout worker, told when an engine is back
         self.joined = False  # engine.sync=nccl: the actor and the engines form the weight-transfer group
 
@@ -78,7 +78,7 @@ class Fleet:
         for name, server in self.servers.items():
             if not server.alive():
                 self.restart(name, f"the engine process exited (code {server.exit_code()})")
-        while self.reports is not None:
+        while True:
             try:
                 name, epoch = self.reports.get_nowait()
             except Empty:

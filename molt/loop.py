@@ -39,7 +39,7 @@ from molt.assets import ensure_model
 from molt.config import derived
 from molt.fleet import Fleet
 from molt.rollout.engine import launch_engines
-from molt.types import EngineDied, Segment
+from molt.types import Segment
 
 log = logging.getLogger(__name__)
 
@@ -196,10 +196,7 @@ def next_item(queue, fleet: Fleet, stop: threading.Event | None = None):
             return "stop", None
         fleet.check()
         with contextlib.suppress(Empty):
-            kind, item = queue.get(timeout=2.0)
-            if kind == "error" and isinstance(item, EngineDied) and fleet.reports is None:  # engine.max_restarts=0
-                fleet.restart(item.name, item.detail)  # raises, naming the limit (the worker saw the death first)
-            return kind, item
+            return queue.get(timeout=2.0)
 
 
 def collect(pop, cfg, version: int, refund):

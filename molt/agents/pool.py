@@ -6,8 +6,8 @@ loop hands a credit back for every group it popped, after the weight sync that f
 So at most (max_lag + 1) * groups_per_step groups exist between two syncs, which bounds how
 stale a trained token can be (max_lag=0 is synchronous on-policy RL).
 
-Engines that die (engine.max_restarts > 0): the router reports an engine's first failure, as (name,
-incarnation) on the `reports` queue; the driver replaces it (molt/fleet.py) and calls `engine_up`; the
+Engines that die: the router reports an engine's first failure, as (name, incarnation) on the `reports` queue;
+the driver replaces it (molt/fleet.py; or stops the run past engine.max_restarts) and calls `engine_up`; the
 rollouts that were on it start again from scratch, those not yet started wait for a live engine.
 """
 from __future__ import annotations

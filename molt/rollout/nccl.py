@@ -37,6 +37,7 @@ from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 from molt.actor.parallel import full_tensors
 from molt.rollout.engine import EngineClient
+from molt.rollout.reload import paused
 
 
 def buckets(sizes: dict[str, int], bucket_bytes: int) -> list[list[str]]:
@@ -157,15 +158,9 @@ def connect(model, clients: list[EngineClient], bucket_bytes: int, rank: int, ad
 
 
 async def sync_nccl(clients: list[EngineClient], send_weights, version: int, pause_mode: str = "wait") -> float:
-    """One weight sync over NCCL: pause every engine, `send_weights()` (the actor's collective, in a thread: its
-    rank 0 drives the engines' update routes and broadcasts), drop the prefix caches, label `version`, resume;
-    returns seconds. The engines are resumed whatever happened."""
+    """One weight sync over NCCL, every engine paused (reload.paused): `send_weights()`, the actor's collective, in
+    a thread (its rank 0 drives the engines' update routes and broadcasts); returns seconds."""
     t0 = time.perf_counter()
-    await asyncio.gather(*(c.pause(pause_mode) for c in clients))
-    try:
+    async with paused(clients, version, pause_mode):
         await asyncio.to_thread(send_weights)
-        await asyncio.gather(*(c.reset_prefix_cache() for c in clients))  # cached KV was computed by the old weights
-        await asyncio.gather(*(c.set_version(version) for c in clients))
-    finally:
-        await asyncio.gather(*(c.resume() for c in clients), return_exceptions=True)
     return time.perf_counter() - t0

@@ -8,6 +8,7 @@ The NCCL path (engine.sync=nccl) is molt/rollout/nccl.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import tempfile
 import time
@@ -39,30 +40,34 @@ def write_checkpoint(state_dict: dict[str, torch.Tensor], out_dir: str | Path) -
     return out
 
 
-async def _reload_one(client: EngineClient, weights_dir: Path, version: int, pause_mode: str) -> None:
-    await client.pause(pause_mode)
-    await client.reload_weights(weights_dir)
-    await client.reset_prefix_cache()  # cached KV was computed by the old weights
-    await client.set_version(version)
-    await client.resume()
+@contextlib.asynccontextmanager
+async def paused(clients: list[EngineClient], version: int, pause_mode: str = "wait"):
+    """Every engine paused around a weight update (both sync paths): on success their prefix caches are dropped
+    (cached KV was computed by the old weights) and the weights labelled `version`; they are resumed whatever
+    happened. pause_mode (engine.pause_mode): wait lets the requests in flight finish on the old weights first; keep
+    freezes them and they go on under the new ones, their later tokens labelled `version`."""
+    await asyncio.gather(*(c.pause(pause_mode) for c in clients))
+    try:
+        yield
+        await asyncio.gather(*(c.reset_prefix_cache() for c in clients))
+        await asyncio.gather(*(c.set_version(version) for c in clients))
+    finally:
+        await asyncio.gather(*(c.resume() for c in clients), return_exceptions=True)
 
 
 async def sync_weights(clients: list[EngineClient], state_dict: dict[str, torch.Tensor], version: int,
                        sync_dir: str | Path, pause_mode: str = "wait") -> float:
-    """Move the actor's weights into every engine (concurrently) and label them `version`; returns seconds.
-
-    The engines read the directory themselves, so sync_dir must be on their machine (/dev/shm locally) or shared.
-    pause_mode (engine.pause_mode): wait lets the requests in flight finish on the old weights first; keep freezes
-    them and they go on under the new ones, their later tokens labelled `version`.
-    """
+    """Move the actor's weights into every engine (each reads them itself) and label them `version`; returns
+    seconds. The engines read the directory themselves, so sync_dir must be on their machine (/dev/shm locally) or
+    shared."""
     t0 = time.perf_counter()
     weights_dir = Path(tempfile.mkdtemp(prefix=f"molt-sync-v{version}-", dir=sync_dir))
     try:
         write_checkpoint(state_dict, weights_dir)
-        done = await asyncio.gather(*(_reload_one(c, weights_dir, version, pause_mode) for c in clients),
-                                    return_exceptions=True)
-        for failure in (d for d in done if isinstance(d, BaseException)):  # once every other engine is resumed
-            raise failure
+        async with paused(clients, version, pause_mode):
+            done = await asyncio.gather(*(c.reload_weights(weights_dir) for c in clients), return_exceptions=True)
+            for failure in (d for d in done if isinstance(d, BaseException)):  # once every engine has finished
+                raise failure
     finally:
         shutil.rmtree(weights_dir, ignore_errors=True)
     return time.perf_counter() - t0
