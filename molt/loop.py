@@ -175,11 +175,12 @@ def ray_session(cfg):
         # driver's copy of it is set too (ray_constants.ENABLE_RAY_CLUSTER); its processes read the variable
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         ray_constants.ENABLE_RAY_CLUSTER = False
-        tmp = tempfile.mkdtemp(prefix="molt-ray-")
+        # Ray opens its temp dir to everyone (0777) as it starts, and again as later processes start: so it lives
+        # inside a 0700 directory of ours, which Ray never touches
+        tmp = os.path.join(tempfile.mkdtemp(prefix="molt-ray-"), "ray")
         # address="local": always a fresh instance of our own; never attach to another Ray cluster on the host
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 2), include_dashboard=False,
                  log_to_driver=True, _temp_dir=tmp)
-        os.chmod(tmp, 0o700)  # Ray opens it to everyone (0777) as it starts
     signal.signal(signal.SIGTERM, on_sigterm)  # ray.init's crash handler takes SIGTERM and aborts the driver
     try:
         yield

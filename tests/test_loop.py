@@ -81,14 +81,15 @@ def test_dumped_rollouts_are_token_first(first_run):
 
 def assert_private(driver: int, family: list) -> None:
     """Issue 11 item 3: a run's processes listen on loopback only (engines on Unix sockets), Ray runs with token auth,
-    and its session directories sit in a 0700 directory."""
+    and its session directories sit inside a 0700 directory."""
     procs = [p for p in [psutil.Process(driver), *family] if p.is_running()]
     listening = [(p.name(), c.laddr) for p in procs for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN]
     assert len(listening) >= 4 and all(ipaddress.ip_address(a.ip.removeprefix("::ffff:")).is_loopback
                                        for _, a in listening), listening
     assert {p.environ().get("RAY_AUTH_MODE") for p in procs if p.name() in ("raylet", "gcs_server")} == {"token"}
     sessions = {m[1] for p in procs for a in p.cmdline() if (m := re.match(r"--session[-_]dir=(.+)", a))}
-    assert sessions and all(stat.S_IMODE(os.stat(os.path.dirname(d)).st_mode) == 0o700 for d in sessions), sessions
+    private = {os.path.dirname(os.path.dirname(d)) for d in sessions}  # session dir < Ray's temp dir (0777) < ours
+    assert sessions and all(stat.S_IMODE(os.stat(d).st_mode) == 0o700 for d in private), sessions
 
 
 def start(tmp_path, *overrides) -> subprocess.Popen:
