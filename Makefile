@@ -32,7 +32,7 @@ quickstart: setup
 	$(PY) -m molt experiment=quickstart
 
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 tests
 
 clean:
 	rm -rf $(VENV) assets outputs

@@ -18,7 +18,9 @@ import json
 import os
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = (
@@ -171,12 +173,63 @@ def build_smollm2(out_dir: str | Path) -> Path:
     return out
 
 
+# SmolLM2-135M-Instruct's published config: the recipe converts it from a GGUF, so before the build there is no
+# config.json to read
+SMOLLM2_135M = dict(architectures=["LlamaForCausalLM"], hidden_size=576, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=1536,
+                    vocab_size=49152, tie_word_embeddings=True)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    build: Callable  # (out_dir) -> the built model directory
+    config: Callable[[], dict]  # its HF config, read by guards and the dry run before anything is built
+
+
 RECIPES = {
-    "tiny": build_tiny,
-    "tiny_moe": lambda out: build_tiny(out, moe=True),
-    "tiny_vl": build_tiny_vl,
-    "smollm2_135m": build_smollm2,
+    "tiny": Recipe(build_tiny, lambda: tiny_config(moe=False)),
+    "tiny_moe": Recipe(lambda out: build_tiny(out, moe=True), lambda: tiny_config(moe=True)),
+    "tiny_vl": Recipe(build_tiny_vl, tiny_vl_config),
+    "smollm2_135m": Recipe(build_smollm2, lambda: dict(SMOLLM2_135M)),
 }
+
+
+def hf_config(model) -> dict:
+    """The `model` node's HF config: its config.json when the directory exists, else its recipe's ({} if neither)."""
+    path = Path(model.path) / "config.json"
+    recipe = RECIPES.get(model.build)
+    hf = json.loads(path.read_text()) if path.exists() else recipe.config() if recipe else {}
+    return {**hf, **(hf.get("text_config") or {})}  # vision-language configs nest the decoder
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What guards, the dry run and the planner read from an HF config, whose key names differ between families."""
+
+    experts: int  # routed experts per MoE layer; 0 for a dense model
+    top_k: int  # routed experts per token
+    expert_size: int  # intermediate size of one routed expert (Mixtral calls it intermediate_size)
+    head_dim: int
+
+
+def model_facts(hf: dict) -> ModelFacts:
+    head_dim = int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
+    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or 0)
+    if not experts:
+        return ModelFacts(0, 0, 0, head_dim)
+    size = hf.get("moe_intermediate_size") or hf["intermediate_size"]
+    return ModelFacts(experts, int(hf["num_experts_per_tok"]), int(size), head_dim)
+
+
+def tokenizer_mismatch(a_dir, b_dir) -> str | None:
+    """Why two model directories' tokenizers differ (vocabulary or eos), or None when they are the same."""
+    from transformers import AutoTokenizer
+
+    a, b = AutoTokenizer.from_pretrained(str(a_dir)), AutoTokenizer.from_pretrained(str(b_dir))
+    if a.get_vocab() != b.get_vocab():
+        return f"their vocabularies differ ({len(a)} vs {len(b)} tokens)"
+    if a.eos_token != b.eos_token:
+        return f"their eos tokens differ ({a.eos_token!r} vs {b.eos_token!r})"
 
 
 def ensure_model(path: str | Path, recipe: str) -> Path:
@@ -188,7 +241,7 @@ def ensure_model(path: str | Path, recipe: str) -> Path:
         raise FileNotFoundError(f"model directory {path} does not exist (set model.path or model.build)")
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        RECIPES[recipe](Path(tmp) / "m")
+        RECIPES[recipe].build(Path(tmp) / "m")
         os.replace(Path(tmp) / "m", path)
     return path
 

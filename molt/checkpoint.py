@@ -7,10 +7,11 @@
         rng/rank_<r>.json      each actor rank's torch / numpy / python RNG
         hf/                    config and tokenizer files of the base model (for `export`)
 
-Tensors are saved under their global shapes (expert weights too: see `global_view`), so a checkpoint written by one
-layout (dp2) resumes in another (dp1, ep2). Atomic: written to `.step_N.tmp` and renamed once complete, so a crash
-mid-save leaves the previous checkpoint as the latest; the last `keep` are kept. Nothing is unpickled on load: the
-safetensors reader takes its metadata from the JSON headers, and DCP's pickled `.metadata` file is never written.
+Every rank's part (models, optimizers, RNG) is molt/actor/state.py's: tensors under their global shapes, so a
+checkpoint written by one layout (dp2) resumes in another (dp1, ep2). Here: atomic, written to `.step_N.tmp` and
+renamed once complete, so a crash mid-save leaves the previous checkpoint as the latest; the last `keep` are kept.
+Nothing is unpickled on load: the safetensors reader takes its metadata from the JSON headers, and DCP's pickled
+`.metadata` file is never written.
 
     python -m molt.checkpoint export CKPT OUT     # a Hugging Face directory (safetensors, config, tokenizer)
 """
@@ -18,25 +19,19 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_optimizer_state_dict)
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from molt.actor.master import MasterAdamW
+from molt.actor.state import rng_state, set_rng_state, untied
 
 STATE = "state.json"
 
-
-# ---- the driver's side: directories, atomicity, plain state ------------------------------------------------------
 
 def save(ckpt_dir: str, step: int, actor, data_position: int, model_dir: str | Path, keep: int = 2) -> Path:
     """Write step `step` of `actor` (an Actor or ActorGroup: every rank writes its own shards) atomically. Called by
@@ -52,8 +47,8 @@ def save(ckpt_dir: str, step: int, actor, data_position: int, model_dir: str | P
     _barrier()  # every rank's files (its RNG is written after DCP's last collective) are in tmp before it moves
     if lead:
         shutil.copytree(model_dir, tmp / "hf", ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
-        _write_json(tmp / STATE, {"step": step, "data_position": data_position, "layout": list(actor.layout),
-                                  "rng": rng_state()})
+        (tmp / STATE).write_text(json.dumps({"step": step, "data_position": data_position,
+                                             "layout": list(actor.layout), "rng": rng_state()}))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in complete(d)[:-keep]:
@@ -85,104 +80,6 @@ def load(path: str | Path, actor) -> dict:
     actor.load(str(path))
     set_rng_state(state["rng"])
     return state
-
-
-def _write_json(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj))
-
-
-def rng_state() -> dict:
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"torch": torch.get_rng_state().tolist(), "python": [random.getstate()[0], list(random.getstate()[1]), None],
-            "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]}
-
-
-def set_rng_state(s: dict) -> None:
-    torch.set_rng_state(torch.tensor(s["torch"], dtype=torch.uint8))
-    random.setstate((s["python"][0], tuple(s["python"][1]), None))
-    kind, keys, pos, has_gauss, gauss = s["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
-
-
-# ---- every rank's side: DCP -----------------------------------------------------------------------------------
-
-def global_view(model, state: dict, mesh) -> dict:
-    """The state with expert-parallel tensors as DTensors of their global shape over the whole (dp, ep, cp) mesh.
-
-    Under fsdp.ep_size > 1 an expert weight (and its AdamW moments) is FSDP's DTensor of the rank's E/ep experts,
-    sharded on dim 1 over the flattened (dp, cp) mesh. Seen from the 3-D mesh that is Shard(0) over ep and dim 1
-    sharded by dp, then within it by cp: the same local block, now with global offsets, so DCP can reshard it into
-    another ep size. Views only (from_local shares storage): loading into the view loads the parameter."""
-    if mesh is None or mesh["ep"].size() == 1:
-        return state
-    owners = {f"{prefix}.{n}" for prefix, m in model.named_modules() if getattr(m, "ep_rank", None) is not None
-              for n in ("gate_up_proj", "down_proj")}
-    ep, shards = mesh["ep"].size(), mesh["dp"].size() * mesh["cp"].size()
-
-    def view(key: str, t):
-        if not (isinstance(t, DTensor) and key in owners):
-            return t
-        if t.shape[1] % shards:
-            raise ValueError(f"{key}: dim 1 ({t.shape[1]}) must divide over dp x cp = {shards} for resharding")
-        shape = (t.shape[0] * ep, *t.shape[1:])
-        return DTensor.from_local(t.to_local(), mesh, [Shard(1), Shard(0), Shard(1)], run_check=False,
-                                  shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
-
-    return {k: ({s: view(k, v) for s, v in t.items()} if isinstance(t, dict) else view(k, t)) for k, t in state.items()}
-
-
-def untied(state: dict) -> dict:
-    """`state` without the second name of a shared tensor (a tied head is the embedding: safetensors refuses to
-    write one tensor twice, and loading the embedding loads the head, in place)."""
-    seen, out = set(), {}
-    for k, t in state.items():
-        local = t.to_local() if isinstance(t, DTensor) else t
-        key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape))
-        if local.numel() == 0 or key not in seen:
-            seen.add(key)
-            out[k] = t
-    return out
-
-
-def _payload(model, optimizer, mesh) -> tuple[dict, dict]:
-    model_sd = untied(get_model_state_dict(model))
-    optim_sd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=False))
-    if isinstance(optimizer, MasterAdamW):  # the fp32 masters are the weights on disk, as with FSDP2's fp32 params
-        params = dict(model.named_parameters(remove_duplicate=False))
-        model_sd = {k: optimizer.state[params[k]]["master"] if params.get(k) in optimizer.state else t
-                    for k, t in model_sd.items()}
-        optim_sd["state"] = {k: {n: v for n, v in s.items() if n != "master"} for k, s in optim_sd["state"].items()}
-    return {"model": global_view(model, model_sd, mesh), "optim": global_view(model, optim_sd["state"], mesh)}, optim_sd
-
-
-def save_models(trained: dict, out_dir: str, mesh) -> None:
-    """Collective: each trained model (name -> (model, optimizer)) under out_dir/name, plus this rank's RNG."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    for name, (model, optimizer) in trained.items():
-        payload, _ = _payload(model, optimizer, mesh)
-        dcp.save(payload, storage_writer=dcp.HuggingFaceStorageWriter(f"{out_dir}/{name}", save_distributed=True))
-    _write_json(Path(out_dir) / "rng" / f"rank_{rank}.json", rng_state())
-
-
-def load_models(trained: dict, in_dir: str, mesh) -> None:
-    """Collective: restore each trained model and its optimizer from in_dir/name, whatever layout wrote it."""
-    missing = [n for n in trained if not Path(in_dir, n).is_dir()]
-    if missing:
-        raise ValueError(f"the checkpoint holds no state for {missing}: it was written by a run with other helper "
-                         "models (estimator / train.kl_coef) than this one")
-    for name, (model, optimizer) in trained.items():
-        payload, optim_sd = _payload(model, optimizer, mesh)  # views of the live tensors: loaded in place
-        reader = dcp.HuggingFaceStorageReader(f"{in_dir}/{name}")
-        saved = reader.read_metadata().state_dict_metadata
-        for fqn in [f for f in optim_sd["state"] if f"optim.{f}.step" not in saved]:  # never stepped (no gradient)
-            optim_sd["state"].pop(fqn), payload["optim"].pop(fqn, None)  # (one dict when no view was needed)
-        dcp.load(payload, storage_reader=reader)
-        set_optimizer_state_dict(model, optimizer, optim_sd,  # strict=False: the never-stepped ones stay stateless
-                                 options=StateDictOptions(flatten_optimizer_state_dict=False, strict=False))
-    rng = Path(in_dir) / "rng" / f"rank_{dist.get_rank() if dist.is_initialized() else 0}.json"
-    if rng.is_file():  # a rank the writing layout did not have starts from its fresh RNG
-        set_rng_state(json.loads(rng.read_text()))
 
 
 def export_hf(ckpt: str | Path, out_dir: str | Path) -> Path:

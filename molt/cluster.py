@@ -1,8 +1,8 @@
-"""Where a run executes: the addresses and ports it binds, and Slurm submission through submitit.
+"""Where a run executes: one Ray node per Slurm task, and Slurm submission through submitit.
 
     molt cluster=slurm cluster.partition=gpu experiment=quickstart   # one job: its id, log and how to follow it
     molt -m cluster=slurm estimator=grpo,rloo                        # one array, one MLflow run per element
-    molt cluster=slurm dry_run=true                                  # guard rails, then the sbatch script
+    molt cluster=slurm dry_run=true                                  # guard rails, then the sbatch script (no Slurm needed)
 
 Submission is Hydra's submitit launcher (hydra_plugins/molt_slurm) with `launch` below: every job's config is
 composed and checked on the login node, the resources come from `cluster.*` alone, and jobs are followed with
@@ -21,25 +21,13 @@ import sys
 import time
 from pathlib import Path
 
-LOOPBACK = "127.0.0.1"  # engines, the chat server and torch.distributed bind here on one node
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    """A port free on `host` now; call it on the node that will bind it."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from molt import guards
+from molt.net import free_port
 
 
 def requeued() -> bool:
     """True in a Slurm job that was preempted, timed out or `scontrol requeue`d and now runs again."""
     return int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0
-
-
-def node_address() -> str:
-    """Where this node's processes are reached from other nodes: its cluster address in a multi-task Slurm job
-    (set by `allocation`), loopback otherwise."""
-    return os.environ.get("MOLT_NODE_ADDR", LOOPBACK)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,38 +116,21 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
     proc.wait()
 
 
-def rank_placement(rank: int, world: int) -> dict:
-    """Ray options that put actor rank `rank` on its Slurm task, ranks packed by task (rank 0 with the loop);
-    {} on one node."""
-    import ray
-
-    tasks = sum(k.startswith("molt_task_") for k in ray.cluster_resources())
-    if tasks == 0:
-        return {}
-    per_task = -(-world // tasks)
-    return {"resources": {f"molt_task_{rank // per_task}": 0.001}}
-
-
-def on_driver_node() -> dict:
-    """Ray options that keep an actor beside the loop (it reaches the engines on loopback)."""
-    import ray
-
-    return {"resources": {"molt_task_0": 0.001}} if "molt_task_0" in ray.cluster_resources() else {}
-
-
 # ---------------------------------------------------------------------------------------------
 # Submission (login node)
 
 
-def slurm_params(c) -> dict:
-    """submitit executor parameters from cluster.*; empty values are left to the cluster's defaults."""
+def slurm_params(cfg) -> dict:
+    """SlurmExecutor's parameters, in sbatch's names, from cluster.*; empty values are left to the cluster's defaults.
+    The submission and the dry run's script are both made from this one dict."""
+    c = cfg.cluster
     image = [a.format(image=c.container_image) for a in c.container_srun_args] if c.container_image else []
-    p = dict(nodes=c.num_nodes, tasks_per_node=c.tasks_per_node, gpus_per_node=c.gpus_per_node or None,
-             cpus_per_task=c.cpus_per_task or None, mem_gb=c.mem_gb or None, timeout_min=c.time_min,
-             slurm_partition=c.partition or None, slurm_account=c.account or None, slurm_qos=c.qos or None,
-             slurm_constraint=c.constraint or None, slurm_setup=list(c.setup) or None,
-             slurm_srun_args=image + [str(a) for a in c.extra_srun] or None,
-             slurm_additional_parameters=dict(c.extra_sbatch) or None)
+    p = dict(job_name=cfg.name, nodes=c.num_nodes, ntasks_per_node=c.tasks_per_node,
+             gpus_per_node=c.gpus_per_node or None, cpus_per_task=c.cpus_per_task or None,
+             mem=f"{c.mem_gb}GB" if c.mem_gb else None, time=c.time_min, partition=c.partition or None,
+             account=c.account or None, qos=c.qos or None, constraint=c.constraint or None,
+             setup=list(c.setup) or None, srun_args=image + [str(a) for a in c.extra_srun] or None,
+             additional_parameters=dict(c.extra_sbatch) or None)
     return {k: v for k, v in p.items() if v is not None}
 
 
@@ -167,8 +138,6 @@ def check_job(launcher, overrides: list[str], num: int) -> None:
     """Compose one job's config as its node will, and run the guard rails on it here (exit 2 on a failure)."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf, open_dict
-
-    from molt.cli import validate
 
     cfg = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, overrides)
     with open_dict(cfg):
@@ -178,17 +147,21 @@ def check_job(launcher, overrides: list[str], num: int) -> None:
     job = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])  # what the task gets, as in run_job
     OmegaConf.set_readonly(job, False)
     try:
-        validate(job)
+        guards.validate(job)
     finally:
         HydraConfig.instance().set_config(launcher.config)
 
 
-def sbatch_script(executor, num_jobs: int) -> str:
+def sbatch_script(folder: Path, python: str, params: dict, num_jobs: int) -> str:
+    """The sbatch script `SlurmExecutor(folder, python=python)` with `params` submits for `num_jobs` jobs (an array
+    when several), made without the executor, which refuses to exist where `srun` is missing: a dry run works anywhere.
+    submitit has no public call for it, so this is Molt's one use of its private API: `_make_sbatch_string` (what the
+    executor writes its script with) and the command of `SlurmExecutor._submitit_command_str`. submitit is pinned
+    exactly; tests/test_dry_run.py and tests/cluster (the dry run's script is the one submitted) catch a change."""
     from submitit.slurm.slurm import _make_sbatch_string
 
-    ex = executor._executor
-    return _make_sbatch_string(command=ex._submitit_command_str, folder=ex.folder,
-                               map_count=num_jobs if num_jobs > 1 else None, **ex.parameters)
+    command = f"{python} -u -m submitit.core._submit {shlex.quote(str(folder))}"
+    return _make_sbatch_string(command=command, folder=folder, map_count=num_jobs if num_jobs > 1 else None, **params)
 
 
 def launch(launcher, job_overrides, initial_job_idx: int):
@@ -201,19 +174,20 @@ def launch(launcher, job_overrides, initial_job_idx: int):
     nums = [initial_job_idx + i for i in range(len(job_overrides))]
     for overrides, num in zip(job_overrides, nums):
         check_job(launcher, list(overrides), num)
-    executor = submitit.AutoExecutor(folder=launcher.params["submitit_folder"], cluster="slurm",
-                                     slurm_max_num_timeout=cfg.cluster.max_requeue,
-                                     slurm_python=cfg.cluster.python or None)  # None: sys.executable
-    executor.update_parameters(name=cfg.name, **slurm_params(cfg.cluster))
+    folder = Path(launcher.params["submitit_folder"]).expanduser().absolute()  # as submitit's Executor keeps it
+    python = cfg.cluster.python or shlex.quote(sys.executable)  # SlurmExecutor's default, passed to it as well
+    params = slurm_params(cfg)
     done = [JobReturn(overrides=list(o), status=JobStatus.COMPLETED) for o in job_overrides]
     if cfg.dry_run:
         print(f"molt dry run: {len(done)} Slurm job(s) pass the guard rails; sbatch script (nothing submitted):")
-        print(sbatch_script(executor, len(done)))
+        print(sbatch_script(folder, python, params, len(done)))
         return done
     Path(str(cfg.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
     if os.environ.get("RAY_AUTH_MODE", "token") == "token":  # the jobs' Ray clusters (allocation) accept only
         os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))  # this token: in the job's environment only
     args = [(list(o), "hydra.sweep.dir", n, f"job_id_for_{n}", Singleton.get_state()) for o, n in zip(job_overrides, nums)]
+    executor = submitit.SlurmExecutor(folder, max_num_timeout=cfg.cluster.max_requeue, python=python)
+    executor.update_parameters(**params)
     jobs = executor.map_array(launcher, *zip(*args))
     for job, overrides in zip(jobs, job_overrides):
         print(f"molt: submitted Slurm job {job.job_id} ({' '.join(overrides) or cfg.name})\n"
@@ -234,11 +208,14 @@ def wait(jobs, poll_s: float = 2.0) -> None:
         time.sleep(poll_s)
     for job in jobs:
         if all(job.task(t).paths.result_pickle.exists() for t in range(job.num_tasks)):
-            failed = [r for r in job.results() if r.status == JobStatus.FAILED]  # Hydra keeps the job's exception
+            failed = [r for r in job.results() if r.status == JobStatus.FAILED]
             if not failed:
                 continue
-            print(f"molt: Slurm job {job.job_id} failed: {type(failed[0]._return_value).__name__}: "
-                  f"{str(failed[0]._return_value).splitlines()[0]}; see {job.paths.stdout}", file=sys.stderr)
+            try:
+                failed[0].return_value  # Hydra re-raises the job's own exception here
+            except Exception as e:
+                print(f"molt: Slurm job {job.job_id} failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}; "
+                      f"see {job.paths.stdout}", file=sys.stderr)
             sys.exit(1)
         state = subprocess.run(["scontrol", "show", "job", "-o", job.job_id], capture_output=True, text=True).stdout
         state = next((w for w in state.split() if w.startswith("JobState=")), "JobState=?")

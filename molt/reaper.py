@@ -29,8 +29,9 @@ def watching(mlflow_uri: str, run_id: str):
     try:
         yield
     finally:
-        os.write(write, b"bye")  # the run ended as the driver meant it to: leave its MLflow run alone
-        os.close(write)  # the reaper still stops whatever is left once the driver has exited (a kill mid-teardown)
+        # the run ended as the driver meant it to: leave its MLflow run alone. The write end stays open until the
+        # driver exits; closed here, the reaper would stop Ray and the engines while the driver still shuts them down
+        os.write(write, b"bye")
 
 
 def _follow(driver: int) -> tuple[bool, list[psutil.Process]]:

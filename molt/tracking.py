@@ -1,9 +1,11 @@
-"""MLflow tracking and the terminal progress bar.
+"""MLflow tracking, the run's log lines and the terminal progress bar.
 
 One MLflow run per Hydra job: the resolved config as params and as an artifact, metrics every
-step. The default store is a SQLite database under the run's output directory, so a run is
-self-contained: `mlflow ui --backend-store-uri sqlite:///<output_dir>/mlflow.db`. The jobs of a sweep share
-one under the sweep's directory and carry its tags (molt.sweep, molt.overrides), for `molt-compare`.
+step. Every `train.log_every` steps a line of the main ones goes to the terminal and to the run's
+log (<output_dir>/molt.log, Hydra's), and so does the summary at the end. The default store is a
+SQLite database under the run's output directory, so a run is self-contained:
+`mlflow ui --backend-store-uri sqlite:///<output_dir>/mlflow.db`. The jobs of a sweep share one under
+the sweep's directory and carry its tags (molt.sweep, molt.overrides), for `molt-compare`.
 """
 from __future__ import annotations
 
@@ -14,6 +16,12 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 from tqdm import tqdm
+
+log = logging.getLogger(__name__)
+# what a step's line shows (name in the line: MLflow key); `eval` only on the steps that evaluated
+STEP_LINE = {"reward": "reward/mean", "eval": "eval/reward", "loss": "loss/policy",
+             "mismatch": "mismatch/logprob_abs_max", "stale": "staleness/mean", "failed": "rollout/failed",
+             "tok/s": "throughput/tokens_per_s", "s/step": "time/step"}
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -73,7 +81,7 @@ def mlflow_run(cfg, extra_params: dict, resume_run: bool = False):
         except (KeyboardInterrupt, SystemExit):
             mlflow.end_run("KILLED")
             raise
-    print(summary(cfg, uri, run.info.run_id))
+    log.info(summary(cfg, uri, run.info.run_id))
 
 
 def summary(cfg, uri: str, run_id: str) -> str:
@@ -95,10 +103,14 @@ def summary(cfg, uri: str, run_id: str) -> str:
     return "\n".join(lines)
 
 
-def log_metrics(metrics: dict, step: int) -> None:
+def log_metrics(metrics: dict, step: int, total: int, every: int) -> None:
+    """All of them to MLflow; the main ones in a line of the run log at the first step, every `every` steps and the
+    last (steps count from 0, as in MLflow and the loop's warnings)."""
     import mlflow
 
     mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
+    if (every and step % every == 0) or step + 1 == total:
+        log.info(f"step {step}  " + "  ".join(f"{n} {metrics[k]:.4g}" for n, k in STEP_LINE.items() if k in metrics))
 
 
 def progress(start: int, total: int):

@@ -31,7 +31,11 @@ class Image:
     sha256: str  # the engine's hash of the processed image (mm_hashes)
     data: bytes = b""  # the encoded source image (PNG, JPEG, ...)
     engine: dict | None = None  # the engine's processed image (kwargs_data, mm_metadata): re-sent with every call of
-    # the rollout, dropped (images.detach) before the rollout leaves its runner
+    # the rollout, dropped (images.detach) before the rollout leaves run_group
+
+    def record(self) -> dict:
+        """This image in a rollout dump: where its tokens are, its hash and size; never the pixels."""
+        return {"offset": self.offset, "length": self.length, "sha256": self.sha256, "bytes": len(self.data)}
 
 
 @dataclass
@@ -157,6 +161,16 @@ class EngineDied(RuntimeError):
 
     def __reduce__(self):  # rebuilt from (name, detail) when it crosses a Ray boundary
         return EngineDied, (self.name, self.detail)
+
+
+class RolloutFailed(Exception):
+    """The agent's code failed `rollout` (as far as it got): run_group marks it failed and the group goes on. Raised
+    `from` the agent's own exception, whose file:line the one-line report names; `image`: the reason a bad image
+    failed it (counted as info["failed/image_<reason>"])."""
+
+    def __init__(self, rollout: Rollout, why: str, image: str = ""):
+        super().__init__(why)
+        self.rollout, self.image = rollout, image
 
 
 @dataclass

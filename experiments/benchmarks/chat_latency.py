@@ -44,7 +44,7 @@ from transformers import AutoTokenizer
 
 from molt.agents.chat_agent import run_chat_rollout
 from molt.agents.chat_server import stop_shared_server
-from molt.agents.env import render_delta, render_prompt
+from molt.agents.render import render_delta, render_prompt
 from molt.assets import ensure_model
 from molt.config import AgentConfig, EngineConfig
 from molt.rollout.engine import launch_engines

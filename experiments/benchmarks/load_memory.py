@@ -37,7 +37,7 @@ from pathlib import Path
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from molt.cluster import LOOPBACK, free_port  # noqa: E402
+from molt.net import LOOPBACK, free_port  # noqa: E402
 
 MIB = 2**20
 MOE_COMMON = dict(model_type="qwen3_moe", num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=4096,

@@ -19,9 +19,9 @@ from transformers.core_model_loading import revert_weight_conversion
 from molt.actor import attention, context, loading, parallel, speed, vision
 from molt.actor import replay as replay_mod
 from molt.actor.master import MasterAdamW
+from molt.actor.state import load_models, save_models
 from molt.actor.pack import NO_TARGET, align_next, cp_slice, micro_batches, pack, to_device, unalign
 from molt.algo.loss import Objective, combine
-from molt.checkpoint import load_models, save_models
 from molt.types import Batch, Segment
 
 if TYPE_CHECKING:
@@ -151,7 +151,7 @@ class Actor:
         self.master = (self.device.type == "cuda" and mesh is None and dtype == "float32") if master is None else master
         self.objective = objective or Objective()
         self.helpers: dict = {}
-        self.transfer = None  # engine.sync=nccl: the trainer side of the engines' weight-transfer group
+        self.transfer = None  # engine.sync=nccl: the trainer side of the engines' group (molt/sync/nccl.py)
         self.model = self.build(model_dir, trainable=True, replay=train.routing_replay)
         self.optimizer = self.adamw(self.model, train.lr)
 
@@ -308,24 +308,10 @@ class Actor:
         the conversion is reverted here, as save_pretrained does."""
         return revert_weight_conversion(self.model, parallel.full_tensors(self.model, head=True))
 
-    def connect_engines(self, clients: list, bucket_bytes: int, dtype: str, address: str, port: int) -> None:
-        """engine.sync=nccl: join the engines' weight-transfer group, NCCL rank 0 at address:port (a collective:
-        rank 0 sends, the others take part in the gathers; molt/rollout/nccl.py)."""
-        from molt.rollout import nccl
-
-        rank = torch.distributed.get_rank() if self.mesh is not None else 0
-        self.transfer = nccl.connect(self.model, clients, bucket_bytes, rank, address, port, dtype)
-
-    def send_weights(self) -> None:
-        """engine.sync=nccl: the current weights to every engine, bucket by bucket (a collective)."""
-        self.transfer.send_weights()
-
-    def disconnect_engines(self) -> None:
-        """Leave the weight-transfer group (before an engine is replaced: the group is formed again with it)."""
-        if self.transfer is not None and self.transfer.is_sender:
-            self.transfer.client.shutdown_weight_transfer_engine()
-            self.transfer.shutdown()
-        self.transfer = None
+    def apply(self, fn, *args):
+        """fn(self, *args): how a layer above the actor (the weight sync, molt/sync/) runs its code on the actor,
+        on every rank of an ActorGroup."""
+        return fn(self, *args)
 
     def _trained(self) -> dict:
         return {"policy": (self.model, self.optimizer)} | {
@@ -337,7 +323,7 @@ class Actor:
         return (f.dp_size, f.ep_size, f.cp_size) if f is not None and self.mesh is not None else (1, 1, 1)
 
     def save(self, path: str) -> None:
-        """Write the policy and trainable helpers (model + optimizer) under path (molt/checkpoint.py); with a mesh a
+        """Write the policy and trainable helpers (model + optimizer) under path (state.py); with a mesh a
         collective, every rank writing its own shards."""
         save_models(self._trained(), path, self.mesh)
 

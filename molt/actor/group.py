@@ -17,8 +17,8 @@ import torch.distributed as dist
 from molt.actor import helpers
 from molt.actor.actor import Actor
 from molt.actor.parallel import build_mesh
-from molt.cluster import LOOPBACK, free_port, node_address, rank_placement
 from molt.config import derived
+from molt.net import LOOPBACK, free_port, node_address, rank_placement
 
 
 def init_distributed(rank: int | None = None, world_size: int | None = None, port: int | None = None,
@@ -78,17 +78,16 @@ class Rank:
 class ActorGroup:
     """The loop's actor when fsdp.dp_size * ep_size * cp_size > 1: Actor's collective methods, run on every rank
     with the same arguments; rank 0's answer comes back. `save` has every rank write its own shards, in parallel
-    (molt/checkpoint.py); `load` restores from a checkpoint written by any layout."""
+    (molt/actor/state.py); `load` restores from a checkpoint written by any layout."""
 
     # the Actor methods the loop and the checkpoint call on a group: each a collective over the ranks
-    METHODS = {"train_step", "train_helpers", "logprobs", "score", "export_weights", "save", "load",
-               "connect_engines", "send_weights", "disconnect_engines"}
+    METHODS = {"train_step", "train_helpers", "logprobs", "score", "export_weights", "save", "load", "apply"}
 
     def __init__(self, cfg, model_dir):
         import ray
 
         world, gpu = derived(cfg)["world_size"], cfg.cluster.gpus_per_node > 0
-        addr = node_address()  # rank 0 runs on this node (cluster.rank_placement) and binds the rendezvous
+        addr = node_address()  # rank 0 runs on this node (net.rank_placement) and binds the rendezvous
         port = free_port(addr)
         remote = ray.remote(num_cpus=0, num_gpus=1 if gpu else 0)(Rank)  # CPU: the ranks share the driver's cores
         self.ranks = [remote.options(**rank_placement(r, world)).remote(r, world, addr, port, gpu, str(model_dir), cfg)

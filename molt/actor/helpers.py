@@ -36,11 +36,11 @@ class Frozen:
 
 class Critic:
     """V(prefix before token t) at t: the policy's body (initialised from its weights) and a zero value head, so
-    V = 0 at the start. One AdamW step per batch on the clipped value loss (old values = current ones, so the
-    clip binds only if a batch is ever reused), with the actor's packing, sharding and global normalisation."""
+    V = 0 at the start. One AdamW step per batch on the value loss, with the actor's packing, sharding and global
+    normalisation."""
 
-    def __init__(self, actor, path, lr: float, value_clip: float):
-        self.actor, self.clip = actor, value_clip
+    def __init__(self, actor, path, lr: float):
+        self.actor = actor
         # the value head sits on the root (FSDP shards it too), zero-initialised; lm_head stays unused (no gradient)
         head = lambda m: torch.nn.Linear(m.get_output_embeddings().in_features, 1, dtype=m.dtype)  # noqa: E731
         self.model = actor.build(path, trainable=True, replay=False, fresh={"molt_value_head": head})
@@ -57,7 +57,7 @@ class Critic:
         return torch.where((mb.position_ids > 0) & (mb.segment_ids >= 0), v, 0.0)
 
     def train_step(self, segments, returns: list[list[float]]) -> dict[str, float]:
-        """One AdamW step on the clipped value loss to per-token returns (0 off the loss mask)."""
+        """One AdamW step on the value loss to per-token returns (0 off the loss mask)."""
         batch = pack(segments, returns, self.actor.cfg.row_tokens)  # the returns ride in the advantages column
         n = int(batch.loss_mask.sum())
         self.optimizer.zero_grad(set_to_none=True)
@@ -65,8 +65,7 @@ class Critic:
         mbs = self.actor.micro_batches(batch)
         self.optimizer.stash = len(mbs) > 1  # MasterAdamW: several micro-batches accumulate in fp32
         for mb in mbs:
-            v = self.score(mb)  # (r, t)
-            loss, metrics = value_loss(v, v.detach(), mb.advantages, mb.loss_mask, n, self.clip)
+            loss, metrics = value_loss(self.score(mb), mb.advantages, mb.loss_mask, n)
             loss.backward()
             totals = combine(totals, metrics)
         norm = float(self.actor.clip_grads(self.model.parameters(), self.optimizer))
@@ -81,5 +80,5 @@ def build(name: str, actor, cfg, model_dir):
     e = cfg.estimator
     make = {"reference": lambda: Frozen(actor, model_dir, replay=cfg.train.routing_replay),
             "teacher": lambda: Frozen(actor, e.teacher_path, replay=False),  # its own routing: no replay
-            "critic": lambda: Critic(actor, model_dir, e.critic_lr, e.value_clip)}
+            "critic": lambda: Critic(actor, model_dir, e.critic_lr)}
     return make[name]()

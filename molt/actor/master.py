@@ -9,7 +9,7 @@ What FSDP2's mixed-precision policy gives at several ranks (fp32 masters and mom
 accumulation) without its world-size-1 copies and casts: the update reads the bf16 gradient, the fp32 master and
 both moments once and writes them and the bf16 parameter once (on the GPU one compiled kernel per tensor), about
 28 bytes per parameter where FSDP2 + a fused fp32 AdamW move about 58 (docs/gpu.md). The masters are the weights a
-checkpoint holds (molt/checkpoint.py) and the moments stay fp32 through it.
+checkpoint holds (molt/actor/state.py) and the moments stay fp32 through it.
 """
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ class MasterAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """As torch's, but the moments stay fp32 (torch casts optimizer state to the parameter's dtype), and the
         masters are kept when the state has none (a checkpoint restores them as the model's weights, in place:
-        molt/checkpoint.py); the bf16 parameters are then the masters rounded."""
+        molt/actor/state.py); the bf16 parameters are then the masters rounded."""
         masters = {p: s["master"] for p, s in self.state.items()}
         super().load_state_dict(state_dict)
         keys = [k for g in state_dict["param_groups"] for k in g["params"]]  # ids, or names (DCP), in param order

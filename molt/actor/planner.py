@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from molt.assets import model_facts
 from molt.config import FsdpConfig, derived
 
 GIB = 2**30
@@ -83,19 +84,15 @@ def layer_activation_elems(hf: dict) -> int:
     2 RMSNorms x (input + output) + q, k, v, attention output; SwiGLU keeps gate, up, act and their
     product (4 I). A routed token is dispatched to k experts (k x (hidden in + out + 4 I)), plus
     shared experts and the fp32 router logits."""
-    h, nq = hf["hidden_size"], hf["num_attention_heads"]
+    h, nq, facts = hf["hidden_size"], hf["num_attention_heads"], model_facts(hf)
     if hf.get("kv_lora_rank"):  # MLA: low-rank q/kv bottlenecks, then per-head q, k (nope + rope), v
         qk, v = hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"], hf["v_head_dim"]
         attn = (hf.get("q_lora_rank") or 0) + hf["kv_lora_rank"] + hf["qk_rope_head_dim"] + nq * (2 * qk + 2 * v)
     else:
-        hd = hf.get("head_dim") or h // nq
-        attn = 2 * nq * hd + 2 * hf.get("num_key_value_heads", nq) * hd
+        attn = 2 * nq * facts.head_dim + 2 * hf.get("num_key_value_heads", nq) * facts.head_dim
     dense = 4 * hf["intermediate_size"]
-    experts = int(hf.get("num_experts") or hf.get("n_routed_experts") or 0)
-    moe = 0
-    if experts:
-        i = hf["moe_intermediate_size"]
-        moe = hf["num_experts_per_tok"] * (2 * h + 4 * i) + 4 * i * (hf.get("n_shared_experts") or 0) + 2 * experts
+    i, shared = facts.expert_size, hf.get("n_shared_experts") or 0
+    moe = facts.top_k * (2 * h + 4 * i) + 4 * i * shared + 2 * facts.experts  # 0 for a dense model
     return 4 * h + attn + max(dense, moe)
 
 

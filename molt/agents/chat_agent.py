@@ -24,18 +24,15 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
-from molt.agents.chat_server import Session, close_session, open_session, shared_server
-from molt.agents.env import where
+from molt.agents.chat_server import close_session, open_session, shared_server
 from molt.config import AgentConfig
-from molt.types import Generate, Rollout
+from molt.types import Generate, Rollout, RolloutFailed
 
-log = logging.getLogger(__name__)
 _THREADS = ThreadPoolExecutor(max_workers=256, thread_name_prefix="molt-chat-agent")  # sync agents; lazy threads
 
 
@@ -82,43 +79,37 @@ async def _call_agent(agent_fn: Callable, ctx: ChatContext) -> tuple[float, dict
 async def run_chat_rollout(generate: Generate, tokenizer, agent_fn: Callable, sample: dict, rollout_id: str,
                            group_id: str, agent_cfg: AgentConfig, sampling: dict,
                            release: Callable[[str], None] | None = None) -> Rollout:
-    """One rollout of the user's agent against its own session; `release` is called when it ends."""
+    """One rollout of the user's agent against its own session; `release` is called when it ends. Raises
+    RolloutFailed when the agent failed it (run_group marks it)."""
     srv = await shared_server()
     s = open_session(srv, rollout_id, generate, tokenizer, agent_cfg, sampling)
     root = f"{srv.url}/s/{s.sid}"
     ctx = ChatContext(f"{root}/v1", root, s.key, srv.model, sample, agent_cfg.max_tokens_per_turn,
                       agent_cfg.max_turns, rollout_id)
-    ro = Rollout(rollout_id=rollout_id, group_id=group_id)
+    ro, why, cause = Rollout(rollout_id=rollout_id, group_id=group_id), "", None
     timeout = agent_cfg.timeout_s or None  # agent.timeout_s: wall-clock bound of one rollout
     try:
         ro.reward, ro.info = await asyncio.wait_for(_call_agent(agent_fn, ctx), timeout)
-    except (AgentError, asyncio.TimeoutError) as e:
-        ro.status = "truncated" if s.refused and isinstance(e, AgentError) else "failed"  # reward stays 0.0
-        ro.error = f"agent: {e}{where(e.__cause__)}" if isinstance(e, AgentError) else \
-            f"agent ran past agent.timeout_s={timeout}"
-        log.debug("rollout %s %s: %s", rollout_id, ro.status, ro.error, exc_info=e.__cause__)
+    except AgentError as e:
+        if not s.refused:  # after a budget refusal, the agent giving up is a truncation (its reward 0.0)
+            why, cause = f"agent: {e}", e.__cause__
+    except asyncio.TimeoutError:
+        why = f"agent ran past agent.timeout_s={timeout}"
     finally:
         ro.segments = close_session(srv, s)
         if release is not None:
             release(rollout_id)
     if s.error is not None:
         raise s.error
-    if s.bad_image:  # the policy would have trained without seeing an image the agent sent (images.py)
-        ro.status, ro.error, ro.info[f"failed/image_{s.bad_image}"] = "failed", f"bad image: {s.bad_image}", 1.0
-    return _finish(ro, s)
-
-
-def _finish(ro: Rollout, s: Session) -> Rollout:
-    """The rollout's final status and its per-rollout counters, from what session `s` recorded."""
-    if ro.status == "ok" and s.refused:
-        ro.status = "truncated"
-    if ro.status != "failed" and s.rejected:
-        ro.status, ro.error = "failed", f"the server refused a malformed request of the agent: {s.rejection}"
-    if ro.status != "failed" and not ro.segments:
-        ro.status, ro.error = "failed", "the agent never called the model"
-    if ro.status == "failed":
-        ro.reward, ro.info["failed"] = 0.0, 1.0
+    ro.status = "truncated" if s.refused else "ok"
     ro.info.update(turns=float(s.turns), segments=float(len(ro.segments)), refused=float(s.refused),
-                   rejected=float(s.rejected), gen_tokens=float(sum(x.num_generated for x in ro.segments)),
-                   tokens=float(sum(len(x.token_ids) for x in ro.segments)))
+                   rejected=float(s.rejected))
+    if s.bad_image:  # the policy would have trained without seeing an image the agent sent (images.py)
+        why, cause = f"bad image: {s.bad_image}", None
+    elif not why and s.rejected:
+        why = f"the server refused a malformed request of the agent: {s.rejection}"
+    elif not why and not ro.segments:
+        why = "the agent never called the model"
+    if why:
+        raise RolloutFailed(ro, why, s.bad_image or "") from cause
     return ro

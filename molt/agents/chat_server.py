@@ -29,7 +29,9 @@ extends the same history).
 Failures. Anything wrong with a request before generation (a body over agent.max_request_bytes:
 413; bad JSON, wrong types, blocks the decoder cannot read, messages the template cannot render:
 400) is the agent's fault: it gets the protocol's error and its rollout is marked failed; the run
-goes on. Only a failure of this server or the engine (500, 503) stops the run. Unknown paths and
+goes on. A client that disconnects, or sends less than a whole request within the server's timeout
+(then it is disconnected), fails nothing: its SDK retries. Only a failure of this server or the
+engine (500, 503) stops the run. Unknown paths and
 wrong methods answer in the protocol's error shape too. Decoding and rendering run on threads, so a
 large request does not stall the other sessions.
 
@@ -40,9 +42,11 @@ by agent.max_tokens_per_turn (which is also the default) and by the room left un
 agent.max_total_tokens, the context budget of one request (prompt + reply). More than
 agent.max_turns requests, or a prompt that fills the context budget, are refused with a 400.
 
-Stop strings (`stop`, `stop_sequences`) are applied to the decoded reply: generation is not cut
-early, but the reply is cut at the first stop string and so are the recorded ids (at the token that
-completes it). Streaming: the reply is generated whole, then sent as stream events.
+Stop strings (`stop`, at most 4; `stop_sequences`, at most 8191) are applied to the decoded reply, on a
+thread: generation is not cut early, but the reply is cut at the first stop string and so are the
+recorded ids (at the token that completes it). Streaming: the reply is generated whole, then sent as
+stream events. Options the policy cannot honour (constrained output, forced tool calls, penalties,
+seeds, top log-probs, thinking) are refused with a 400 naming them (chat_wire.py), never ignored.
 """
 from __future__ import annotations
 
@@ -60,11 +64,14 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from molt.agents import chat_wire as wire
 from molt.agents import images
-from molt.agents.env import TemplateError, render_delta, render_prompt
+from molt.agents.render import TemplateError, render
 from molt.config import AgentConfig
+from molt.rollout.engine import image_features
 from molt.types import Completion, EngineDied, Generate, Image, Segment
 
 log = logging.getLogger(__name__)
@@ -104,16 +111,18 @@ class Session:
 
 
 def cut_at_stop(tokenizer, ids: list[int], stops: list[str]) -> tuple[int, str, Optional[str]]:
-    """(ids kept, reply text, stop string hit). Kept: the shortest prefix whose text holds a stop string."""
+    """(ids kept, reply text, stop string hit). Kept: the shortest prefix whose text holds a stop string. Each stop
+    string is searched for once (thousands may come: Anthropic's stop_sequences)."""
     decode = lambda n: tokenizer.decode(ids[:n], skip_special_tokens=True)  # noqa: E731  the first n ids as text
     text = decode(len(ids))
-    if not any(s in text for s in stops):
+    hits = [(at + len(s), at, s) for s in stops if (at := text.find(s)) >= 0]
+    if not hits:
         return len(ids), text, None
-    # "the text holds a stop string" is monotone in the prefix length: bisect
-    keep = 1 + bisect.bisect_left(range(1, len(ids)), True, key=lambda n: any(s in decode(n) for s in stops))
+    stop = min(hits)[2]  # the one completed first (of those, the one starting first)
+    # "the text holds the stop string" is monotone in the prefix length: bisect
+    keep = 1 + bisect.bisect_left(range(1, len(ids)), True, key=lambda n: stop in decode(n))
     text = decode(keep)
-    at, stop = min((text.index(s), s) for s in stops if s in text)
-    return keep, text[:at], stop
+    return keep, text[:text.index(stop)], stop
 
 
 def _spliced(s: Session, convo: list[dict]) -> dict[int, list[int]]:
@@ -130,25 +139,16 @@ def _spliced(s: Session, convo: list[dict]) -> dict[int, list[int]]:
 
 async def _render(s: Session, convo: list[dict]) -> tuple[list[int], bool, list[Image]]:
     """(prompt ids, fresh, the prompt's images): extend the current segment by a template delta, or start a new
-    one. Messages with images are rendered by the engine (molt/agents/images.py); text on a thread, so that a
-    large request does not stall the event loop that serves every other session."""
+    one (molt/agents/render.py)."""
     n = len(s.history)
     try:
         if n and len(convo) > n and all(map(wire.same_message, s.history, convo)):
             seg, new = s.segments[-1], wire.template_messages(convo[n:])
             with contextlib.suppress(TemplateError):  # the template rewrites earlier turns once more follow: compact
-                if images.has_images(new):
-                    delta, ims = await images.render_delta(s.generate, s.rollout_id, s.tokenizer, new,
-                                                           seg.token_ids[-1], s.cfg, len(seg.images))
-                else:
-                    delta, ims = await asyncio.to_thread(render_delta, s.tokenizer, new, seg.token_ids[-1]), []
+                delta, ims = await render(s.tokenizer, new, s.generate, s.rollout_id, s.cfg, after=seg)
                 return seg.token_ids + delta, False, seg.images + images.shifted(ims, len(seg.token_ids))
-        msgs = wire.template_messages(convo)
-        if images.has_images(msgs):
-            ids, ims = await images.render_spliced(s.generate, s.rollout_id, s.tokenizer, msgs, _spliced(s, convo),
-                                                   s.cfg)
-        else:
-            ids, ims = await asyncio.to_thread(render_prompt, s.tokenizer, msgs, _spliced(s, convo)), []
+        ids, ims = await render(s.tokenizer, wire.template_messages(convo), s.generate, s.rollout_id, s.cfg,
+                                _spliced(s, convo))
         return ids, True, ims
     except (images.ImageError, EngineDied):
         raise
@@ -182,9 +182,10 @@ def _reply(text: str, stop: Optional[str], c: Completion, keep: int, tools_on: b
 
 
 async def complete(s: Session, convo: list[dict], max_tokens: Optional[int], stops: list[str], tools_on: bool,
-                   gone: Callable[[], Awaitable[bool]]) -> wire.Reply:
+                   gone: Callable[[], Awaitable[bool]], logprobs: bool = False) -> wire.Reply:
     """Serve one request of a session: accumulate, generate, record, reply. `gone()` says whether the client
-    disconnected: a reply it never received is not recorded (its SDK's retry then extends the same history)."""
+    disconnected: a reply it never received is not recorded (its SDK's retry then extends the same history).
+    `logprobs`: the reply carries each generated token's behaviour log-prob."""
     async with s.lock:
         if s.closed:
             raise ChatError(404, f"session of rollout {s.rollout_id} has ended")
@@ -200,15 +201,17 @@ async def complete(s: Session, convo: list[dict], max_tokens: Optional[int], sto
             raise _refuse(s, f"the conversation is {len(prompt)} tokens and agent.max_total_tokens="
                              f"{s.cfg.max_total_tokens} leaves no room to reply", "context_length_exceeded")
         limit = min(max_tokens or s.cfg.max_tokens_per_turn, s.cfg.max_tokens_per_turn, room)
-        c = await s.generate(s.rollout_id, prompt, limit, **s.sampling, **images.features(ims))
+        c = await s.generate(s.rollout_id, prompt, limit, **s.sampling, **image_features(ims))
         if s.closed:  # the rollout ended while the engine worked: its trajectory is final
             raise ChatError(404, f"session of rollout {s.rollout_id} has ended")
         if await gone():
             raise ChatError(499, "the client disconnected before the reply: the turn is not recorded")
-        keep, text, stop = cut_at_stop(s.tokenizer, c.token_ids, [x for x in stops if x])
+        keep, text, stop = await asyncio.to_thread(cut_at_stop, s.tokenizer, c.token_ids, [x for x in stops if x])
         _record(s, prompt, fresh, ims, c, keep)
         s.turns += 1
         reply = _reply(text, stop, c, keep, tools_on, len(prompt))
+        if logprobs:
+            reply.logprobs = [(s.tokenizer.decode([t]), x) for t, x in zip(c.token_ids[:keep], c.logprobs[:keep])]
         s.history = convo + [reply.message]
         s.replies.append((reply.message, c.token_ids[:keep]))
         return reply
@@ -221,7 +224,7 @@ async def complete(s: Session, convo: list[dict], max_tokens: Optional[int], sto
 class Wire:
     schema: type
     conversation: Callable[[Any], list[dict]]
-    options: Callable[[Any], dict]  # complete()'s max_tokens, stops, tools_on
+    options: Callable[[Any], dict]  # complete()'s max_tokens, stops, tools_on, logprobs
     response: Callable[[wire.Reply, str], dict]
     events: Callable[[wire.Reply, str, Any], Iterator[str]]
 
@@ -230,7 +233,7 @@ OPENAI = Wire(
     wire.OAIRequest, wire.openai_conversation,
     lambda r: dict(max_tokens=r.max_completion_tokens or r.max_tokens,
                    stops=[r.stop] if isinstance(r.stop, str) else r.stop or [],
-                   tools_on=bool(r.tools) and r.tool_choice != "none"),
+                   tools_on=bool(r.tools) and r.tool_choice != "none", logprobs=bool(r.logprobs)),
     wire.openai_response,
     lambda reply, model, r: wire.openai_chunks(reply, model, bool((r.stream_options or {}).get("include_usage"))))
 ANTHROPIC = Wire(
@@ -296,6 +299,9 @@ async def _serve(srv: ChatServer, sid: str, request: Request, w: Wire):
         reply = await complete(s, convo, **options, gone=request.is_disconnected)
     except ChatError:
         raise
+    except ClientDisconnect:  # mid-upload: the agent's event (its SDK retries), never the run's; nothing to answer
+        log.info("a client of session %s disconnected while sending its request", sid)
+        raise ChatError(499, "the client disconnected while sending the request") from None
     except EngineDied as e:  # not the agent's fault: the runner re-raises it
         s.error = e
         raise ChatError(503, f"the policy engine is gone: {e}") from e
@@ -335,8 +341,36 @@ def build_app(srv: ChatServer) -> FastAPI:
     return app
 
 
-async def start_server() -> ChatServer:
-    """Serve on 127.0.0.1 (a free port) inside the running event loop; returns once it accepts connections."""
+class _Deadline(AutoHTTPProtocol):
+    """uvicorn's HTTP protocol, plus a deadline: a request must arrive whole within `timeout_keep_alive` of the
+    connection opening or of the previous response, else the connection is closed (a request cut off in its body
+    then ends as a client disconnect). uvicorn has no such timeout: its keep-alive timer stops at the first byte,
+    so a client that sent half its headers or half its body held its connection open forever."""
+
+    deadline: Optional[asyncio.TimerHandle] = None
+
+    def connection_made(self, transport):
+        super().connection_made(transport)
+        self._arm()
+
+    def on_response_complete(self):
+        super().on_response_complete()
+        self._arm()
+
+    def _arm(self):
+        if self.deadline is not None:
+            self.deadline.cancel()
+        self.deadline = self.loop.call_later(self.timeout_keep_alive, self._expire)
+
+    def _expire(self):
+        c = self.cycle  # the latest request: none yet, its body still arriving, or answered (the next one is late)
+        if c is None or c.more_body or c.response_complete:
+            self.transport.close()
+
+
+async def start_server(timeout: float = 30) -> ChatServer:
+    """Serve on 127.0.0.1 (a free port) inside the running event loop; returns once it accepts connections.
+    A request must arrive whole within `timeout` seconds of the connection or of the previous reply."""
     srv = ChatServer()
     # proto IPPROTO_TCP, not the default 0: asyncio sets TCP_NODELAY only on sockets that say TCP, and
     # accepted sockets inherit it; without it every reply waits ~40 ms for a delayed ACK (Nagle)
@@ -344,7 +378,8 @@ async def start_server() -> ChatServer:
     sock.bind(("127.0.0.1", 0))
     srv.port = sock.getsockname()[1]
     # log_config=None: leave the process's logging alone; lifespan off: the app has no startup hooks
-    config = uvicorn.Config(build_app(srv), log_config=None, access_log=False, lifespan="off", timeout_keep_alive=30)
+    config = uvicorn.Config(build_app(srv), log_config=None, access_log=False, lifespan="off",
+                            timeout_keep_alive=timeout, http=_Deadline)
     srv.server = uvicorn.Server(config)
     srv.task = asyncio.create_task(srv.server.serve(sockets=[sock]))
     while not srv.server.started:
@@ -386,7 +421,4 @@ def close_session(srv: ChatServer, s: Session) -> list[Segment]:
     """End a session: later requests get 404 and its segments are final."""
     s.closed = True
     srv.sessions.pop(s.sid, None)
-    for seg in s.segments:
-        seg.check()
-        images.detach(seg)
     return s.segments

@@ -28,7 +28,7 @@ import re
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Literal, Optional, Union
+from typing import Annotated, Any, Iterator, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -87,10 +87,17 @@ class OAIRequest(_Strict):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     temperature: Optional[float] = Field(None, ge=0)
     top_p: Optional[float] = Field(None, gt=0, le=1)
-    stop: Union[str, list[str], None] = None
+    stop: Union[Annotated[list[str], Field(max_length=4)], str, None] = None  # the API's limit: up to 4
     n: Optional[int] = Field(1, ge=1, le=1)  # one rollout is one trajectory
     stream: bool = False
     stream_options: Optional[dict] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    response_format: Optional[dict] = None
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict] = None
 
 
 class AToolDef(_Strict):
@@ -111,11 +118,13 @@ class ARequest(_Strict):
     system: Union[str, list[dict], None] = None
     tools: Optional[list[AToolDef]] = None
     tool_choice: Optional[dict] = None
-    stop_sequences: Optional[list[str]] = None
+    # each non-empty, as the API checks; the API documents no count limit, Claude on AWS Bedrock documents 8191
+    stop_sequences: Optional[Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=8191)]] = None
     temperature: Optional[float] = Field(None, ge=0, le=1)
     top_p: Optional[float] = None
     top_k: Optional[int] = None
     stream: bool = False
+    thinking: Optional[dict] = None
 
 
 def parse_request(schema: type[BaseModel], body: bytes) -> Any:
@@ -129,6 +138,37 @@ def parse_request(schema: type[BaseModel], body: bytes) -> Any:
 
 
 # ---- requests -> canonical conversation ----
+
+# An option the policy cannot honour is refused (400, naming it), never ignored. These would change the distribution
+# a reply is sampled from, which must be the one the trainer recomputes: rollout.temperature/top_p/top_k as they are
+# (ARCHITECTURE.md §1).
+_SAMPLED = "it would change the distribution the reply is sampled from, which training fixes (rollout.*)"
+
+
+def _refuse(options: dict[str, Any]) -> None:
+    """Raise for the first option whose value is true: the option is set to what this server cannot do."""
+    for name, why in options.items():
+        if why:
+            raise WireError(f"{name}: not supported: {why}")
+
+
+def _openai_options(r: OAIRequest) -> None:
+    fmt = (r.response_format or {}).get("type", "text")
+    _refuse({"response_format": fmt != "text" and f"{fmt!r} needs constrained decoding, and {_SAMPLED}",
+             "tool_choice": r.tool_choice not in (None, "auto", "none") and f"forcing a tool call ({r.tool_choice!r}) "
+                            f"needs constrained decoding, and {_SAMPLED}; use 'auto'",
+             "presence_penalty": bool(r.presence_penalty) and _SAMPLED,
+             "frequency_penalty": bool(r.frequency_penalty) and _SAMPLED,
+             "logit_bias": bool(r.logit_bias) and _SAMPLED,
+             "seed": r.seed is not None and "the run seeds sampling (rollout.seed), per rollout of a group",
+             "top_logprobs": bool(r.top_logprobs) and "the engine returns the sampled token's log-prob only (use 0)"})
+
+
+def _anthropic_options(r: ARequest) -> None:
+    choice, thinking = (r.tool_choice or {}).get("type", "auto"), (r.thinking or {}).get("type", "disabled")
+    _refuse({"tool_choice": choice not in ("auto", "none") and f"forcing a tool call ({choice!r}) needs constrained "
+                            f"decoding, and {_SAMPLED}; use 'auto'",
+             "thinking": thinking != "disabled" and "this server returns no thinking blocks"})
 
 
 def _text(content, where: str) -> str | list[dict]:
@@ -167,6 +207,7 @@ def with_tools(msgs: list[dict], tools: list[dict]) -> list[dict]:
 
 
 def openai_conversation(req: OAIRequest) -> list[dict]:
+    _openai_options(req)
     msgs = []
     for i, m in enumerate(req.messages):
         c = {"role": "system" if m.role == "developer" else m.role, "content": _text(m.content, f"messages.{i}")}
@@ -200,6 +241,7 @@ def _anthropic_blocks(role: str, content, where: str) -> list[dict]:
 
 
 def anthropic_conversation(req: ARequest) -> list[dict]:
+    _anthropic_options(req)
     msgs = [{"role": "system", "content": _text(req.system, "system")}] if req.system else []
     for i, m in enumerate(req.messages):
         msgs += _anthropic_blocks(m.role, m.content, f"messages.{i}")
@@ -239,6 +281,7 @@ class Reply:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     id: str = field(default_factory=lambda: secrets.token_hex(12))
+    logprobs: Optional[list[tuple[str, float]]] = None  # (token text, behaviour log-prob) per generated token
 
     @property
     def message(self) -> dict:
@@ -270,7 +313,16 @@ def openai_response(r: Reply, model: str) -> dict:
     usage = {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
              "total_tokens": r.prompt_tokens + r.completion_tokens}
     return {"id": f"chatcmpl-{r.id}", "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": msg, "finish_reason": r.finish, "logprobs": None}], "usage": usage}
+            "choices": [{"index": 0, "message": msg, "finish_reason": r.finish, "logprobs": _logprobs(r)}],
+            "usage": usage}
+
+
+def _logprobs(r: Reply) -> Optional[dict]:
+    """OpenAI's `logprobs` of a reply; `bytes` is null for a token that is part of a UTF-8 character."""
+    if r.logprobs is None:
+        return None
+    return {"content": [{"token": t, "logprob": x, "bytes": None if "\ufffd" in t else list(t.encode()),
+                         "top_logprobs": []} for t, x in r.logprobs], "refusal": None}
 
 
 def openai_chunks(r: Reply, model: str, include_usage: bool) -> Iterator[str]:
@@ -279,8 +331,9 @@ def openai_chunks(r: Reply, model: str, include_usage: bool) -> Iterator[str]:
     msg, head = full["choices"][0]["message"], {k: full[k] for k in ("id", "created", "model")}
     deltas = [{"role": "assistant", "content": ""}] + ([{"content": msg["content"]}] if msg["content"] else [])
     deltas += [{"tool_calls": [dict(t, index=i)]} for i, t in enumerate(msg.get("tool_calls", []))]
-    for d in deltas + [{}]:
-        choice = {"index": 0, "delta": d, "finish_reason": None if d else r.finish, "logprobs": None}
+    for i, d in enumerate(deltas + [{}]):  # the log-probs of the whole reply ride on its first chunk
+        choice = {"index": 0, "delta": d, "finish_reason": None if d else r.finish,
+                  "logprobs": full["choices"][0]["logprobs"] if i == 0 else None}
         yield _sse({**head, "object": "chat.completion.chunk", "choices": [choice]})
     if include_usage:
         yield _sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": full["usage"]})

@@ -6,16 +6,14 @@ Anthropic `image` block (`source.type: base64`). Every part is checked here (dec
 part, the one form every engine reads. No URL is ever fetched from the network.
 
 Messages with images are rendered by the engine (`/v1/chat/completions/render`, shared/VLM.md), so the prompt ids
-with their expanded placeholders and the processed images come from one place. A later observation is rendered as
-a delta, the same way env.render_delta does in text: after a dummy conversation whose ids are known, so earlier
-turns and their images are never re-rendered. The engine's sampling parameters from render are not used (its
-omit-defaults serialisation drops max_tokens=16): every generate call sets its own.
+with their expanded placeholders and the processed images come from one place (`render` here; molt/agents/render.py
+builds prompts and deltas on it).
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
-import math
 from dataclasses import replace
 from itertools import accumulate, groupby
 from pathlib import Path
@@ -37,8 +35,12 @@ def _is_image(part) -> bool:
     return isinstance(part, dict) and part.get("type") in ("image_url", "image")
 
 
+def count(messages: list[dict]) -> int:
+    return sum(_is_image(p) for m in messages if isinstance(m.get("content"), list) for p in m["content"])
+
+
 def has_images(messages: list[dict]) -> bool:
-    return any(_is_image(p) for m in messages if isinstance(m.get("content"), list) for p in m["content"])
+    return count(messages) > 0
 
 
 def _source(part: dict, image_dir: str) -> bytes:
@@ -75,16 +77,23 @@ def check(data: bytes, max_pixels: int) -> str:
     """The MIME type of an encoded image, after checking it decodes, is an allowed type and fits the pixel budget."""
     from PIL import Image as PIL, UnidentifiedImageError
 
+    corrupt = (UnidentifiedImageError, OSError, SyntaxError, ValueError)
     try:
-        with PIL.open(io.BytesIO(data)) as im:
-            fmt, (w, h) = im.format, im.size
-            im.load()
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        im = PIL.open(io.BytesIO(data))  # reads the header only: type and size are known before any decoding
+    except PIL.DecompressionBombError as e:  # PIL's own bound, hit by a header of over 179 M pixels
+        raise ImageError("too_large", str(e)) from e
+    except corrupt as e:
         raise ImageError("unreadable", f"{type(e).__name__}: {e}") from e
-    if fmt not in MIME:
-        raise ImageError("unsupported_type", f"{fmt}: use one of {sorted(MIME)}")
-    if w * h > max_pixels:
-        raise ImageError("too_large", f"{w}x{h} = {w * h} pixels > agent.image_max_pixels={max_pixels}")
+    with im:
+        fmt, (w, h) = im.format, im.size
+        if fmt not in MIME:
+            raise ImageError("unsupported_type", f"{fmt}: use one of {sorted(MIME)}")
+        if w * h > max_pixels:
+            raise ImageError("too_large", f"{w}x{h} = {w * h} pixels > agent.image_max_pixels={max_pixels}")
+        try:
+            im.load()  # the decode, within agent.image_max_pixels
+        except corrupt as e:
+            raise ImageError("unreadable", f"{type(e).__name__}: {e}") from e
     return MIME[fmt]
 
 
@@ -109,10 +118,12 @@ def prepare(messages: list[dict], cfg) -> tuple[list[dict], list[bytes]]:
 
 async def render(router, rollout_id: str, messages: list[dict], cfg, seen: int = 0) -> tuple[list[int], list[Image]]:
     """Prompt ids and their images (offsets into those ids), rendered by the rollout's engine; `seen` images
-    earlier in the rollout count towards agent.image_max_per_prompt."""
-    messages, datas = prepare(messages, cfg)
-    if seen + len(datas) > cfg.image_max_per_prompt:
-        raise ImageError("too_many", f"{seen + len(datas)} images > agent.image_max_per_prompt={cfg.image_max_per_prompt}")
+    earlier in the rollout count towards agent.image_max_per_prompt. The images are counted before any is read, and
+    read and decoded on a thread: one request's images must not stall the event loop every other rollout shares."""
+    n = seen + count(messages)
+    if n > cfg.image_max_per_prompt:
+        raise ImageError("too_many", f"{n} images > agent.image_max_per_prompt={cfg.image_max_per_prompt}")
+    messages, datas = await asyncio.to_thread(prepare, messages, cfg)
     try:
         out = await router.render(rollout_id, messages)
     except EngineDied:
@@ -130,31 +141,6 @@ async def render(router, rollout_id: str, messages: list[dict], cfg, seen: int =
     return ids, images
 
 
-async def render_spliced(router, rollout_id: str, tokenizer, messages: list[dict], spliced: dict[int, list[int]],
-                         cfg) -> tuple[list[int], list[Image]]:
-    """render() for a rebuilt ChatAgent segment, as env.render_prompt does in text: each earlier reply in `spliced`
-    (message index -> the engine's ids) goes to the engine as a unique placeholder, whose ids in the rendering are
-    then swapped for the reply's own ids, so model output is never re-encoded from text; content holding
-    special-token text is swapped back the same way, encoded with special tokens split. Later images move along."""
-    from molt.agents.env import _hold, _splitting
-
-    msgs, held = _hold(tokenizer, messages, spliced)
-    ids, ims = await render(router, rollout_id, msgs, cfg)
-    for key, h in held.items():
-        new = h if isinstance(h, list) else _splitting(tokenizer).encode(h, add_special_tokens=False).ids
-        old = tokenizer.encode(key, add_special_tokens=False)
-        at = [i for i in range(len(ids) - len(old) + 1) if ids[i:i + len(old)] == old]
-        if len(at) != 1:  # the template dropped, repeated or merged it into its neighbours
-            raise ValueError(f"the engine's rendering holds the placeholder of an earlier message {len(at)} times, "
-                             "not once: this chat template cannot rebuild the conversation from the engine's ids")
-        start, end = at[0], at[0] + len(old)
-        if isinstance(h, list) and h and h[-1] in tokenizer.added_tokens_decoder and ids[end:end + 1] == h[-1:]:
-            end += 1  # the reply ends with the end-of-turn token the template adds after it: once
-        ids = ids[:start] + new + ids[end:]
-        ims = [im if im.offset < start else replace(im, offset=im.offset + len(new) - (end - start)) for im in ims]
-    return ids, ims
-
-
 def _embedded(ids: list[int], offset: int, length: int) -> tuple[int, int]:
     """The run of image tokens inside a rendered placeholder span (Idefics3 wraps it in marker tokens), as
     (offset, length). /inference/v1/generate takes placeholders as offset+length only, every token embedded
@@ -168,56 +154,10 @@ def _embedded(ids: list[int], offset: int, length: int) -> tuple[int, int]:
     return offset + runs[0][0], runs[0][1] - runs[0][0]
 
 
-async def render_delta(router, rollout_id: str, tokenizer, messages: list[dict], last_token_id: int | None, cfg,
-                       seen: int) -> tuple[list[int], list[Image]]:
-    """env.render_delta for observations with images: what follows a known dummy conversation in the engine's
-    rendering of dummy + messages, with the images' offsets moved into the delta."""
-    from molt.agents.env import _DUMMY, MARK, TemplateError, _encode
-
-    base = tokenizer.apply_chat_template(_DUMMY, tokenize=False)
-    cut = base.rindex(MARK) + len(MARK)
-    head, close = _encode(tokenizer, base[:cut]), _encode(tokenizer, base[cut:])
-    ids, images = await render(router, rollout_id, _DUMMY + list(messages), cfg, seen)
-    if ids[:len(head) + len(close)] != head + close:
-        raise TemplateError("the engine's rendering does not extend the dummy conversation token by token; env mode "
-                            "with images needs a prefix-stable chat template")
-    tail = ids[len(head):]
-    if tail and tail[0] == last_token_id and last_token_id in tokenizer.added_tokens_decoder:
-        tail = tail[1:]  # the model emitted the end-of-turn token itself
-    return tail, shifted(images, len(tail) - len(ids))
-
-
 def shifted(ims: list[Image], by: int) -> list[Image]:
     return [replace(im, offset=im.offset + by) for im in ims]
-
-
-def features(ims: list[Image]) -> dict:
-    """Images of a prompt (offsets into it) as a generate call's `features` ({} when none, for splatting)."""
-    if not ims:
-        return {}
-    return {"features": {"mm_hashes": {"image": [im.sha256 for im in ims]},
-                         "mm_placeholders": {"image": [{"offset": im.offset, "length": im.length} for im in ims]},
-                         "kwargs_data": {"image": [im.engine["kwargs_data"] for im in ims]},
-                         "mm_metadata": {"image": [im.engine["mm_metadata"] for im in ims]}}}
 
 
 def detach(seg: Segment) -> None:
     """Drop the engine's processed images: the actor recomputes pixels from the source bytes (README "Images")."""
     seg.images = [replace(im, engine=None) for im in seg.images]
-
-
-async def engine_features(client, ims: list[Image]) -> dict:
-    """`features` for images whose engine payload was dropped (a probe in the driver): the engine renders them again
-    from their source bytes, and the same bytes give the same processed image (checked by its hash)."""
-    if not ims:
-        return {}
-    parts = [_data_part(im.data, check(im.data, max_pixels=math.inf)) for im in ims]  # checked once already
-    f = (await client.render([{"role": "user", "content": parts}]))["features"]
-    assert f["mm_hashes"]["image"] == [im.sha256 for im in ims], "the engine processed the same image differently"
-    return features([replace(im, engine={k: f[k]["image"][i] for k in ("kwargs_data", "mm_metadata")})
-                     for i, im in enumerate(ims)])
-
-
-def record(im: Image) -> dict:
-    """An image in a rollout dump: where its tokens are, its hash and size; never the pixels."""
-    return {"offset": im.offset, "length": im.length, "sha256": im.sha256, "bytes": len(im.data)}

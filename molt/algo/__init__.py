@@ -7,4 +7,4 @@ def helpers_needed(cfg) -> tuple[str, ...]:
     from molt.algo.advantages import ESTIMATORS
     from molt.algo.loss import Objective
 
-    return ESTIMATORS[cfg.estimator.name].helpers + Objective.from_config(cfg).needs
+    return tuple(ESTIMATORS[cfg.estimator.name].helpers) + Objective.from_config(cfg).needs

@@ -3,19 +3,23 @@
 Reward estimators return one advantage per rollout (R,); the loop spreads it over the rollout's
 generated tokens, so a rollout of several segments (context compaction) counts once in its group's
 baseline. Token estimators (`opd`, `gae`) also take per-token tables (R, L) of each rollout's
-generated tokens, in order across its segments (see `token_table`), and return (R, L).
-Adding an estimator = one function + one `ESTIMATORS` entry (saying whether it baselines against
-the group and which helper models it needs beside the policy, molt/actor/helpers.py) + its config
-fields in `EstimatorConfig` + conf/estimator/<name>.yaml. A contract test checks that every
-parameter of every estimator is a per-token table or an EstimatorConfig field.
+generated tokens, in order across its segments (see `token_tables`), and return (R, L).
+Adding an estimator = one function + one `ESTIMATORS` entry (everything else that knows its name: whether it
+baselines against the group, the helper models it needs beside the policy (molt/actor/helpers.py) and the
+table each fills, its config check and its logged metric) + its config fields in `EstimatorConfig` +
+conf/estimator/<name>.yaml. A contract test checks that every parameter of every estimator is a per-token
+table or an EstimatorConfig field.
 """
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
+
+from molt.assets import tokenizer_mismatch
 
 
 def group_mean_std(x: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,19 +104,48 @@ def gae_targets(rewards: torch.Tensor, group_ids: torch.Tensor, values: torch.Te
     return {"critic": gae_raw(rewards, values, mask, gamma, lam) + values}
 
 
+def opd_check(cfg) -> str | None:
+    """opd needs a teacher of the student's tokenizer, and takes no rewards."""
+    teacher = cfg.estimator.teacher_path
+    if not teacher or not (Path(teacher) / "config.json").exists():
+        return (f"estimator=opd needs a teacher: estimator.teacher_path={teacher!r} holds no config.json; point it at "
+                "a Hugging Face model directory that shares the student's tokenizer")
+    # a student that is built later is checked when the teacher loads
+    if (Path(cfg.model.path) / "config.json").exists() and (why := tokenizer_mismatch(cfg.model.path, teacher)):
+        return (f"estimator.teacher_path={teacher} does not share model.path={cfg.model.path}'s tokenizer: {why}; "
+                "the teacher scores the student's token ids, so choose a teacher of the same tokenizer")
+    if cfg.filter.enabled:
+        return ("filter.enabled=true drops groups by their rewards, which estimator=opd does not use: "
+                "set filter.enabled=false")
+
+
+def opd_metrics(tables: dict) -> dict[str, float]:
+    """A sampled estimate of KL(student || teacher) per generated token."""
+    mask = tables["mask"]
+    return {"opd/reverse_kl": (((tables["student_logp"] - tables["teacher_logp"]) * mask).sum() / mask.sum()).item()}
+
+
+def gae_check(cfg) -> str | None:
+    e = cfg.estimator
+    if not (0 <= e.gamma <= 1 and 0 <= e.lam <= 1 and e.critic_lr > 0):
+        return (f"estimator=gae with gamma={e.gamma}, lam={e.lam}, critic_lr={e.critic_lr}: "
+                "need 0 <= estimator.gamma, estimator.lam <= 1 and estimator.critic_lr > 0")
+
+
 @dataclass(frozen=True)
 class Estimator:
     fn: Callable  # (rewards (R,), group_ids (R,), per-token tables / config fields by name) -> (R,) or (R, L)
     group_baseline: bool = False  # baselines each sample against its group: rollout.n = 1 gives zero advantages
-    helpers: tuple[str, ...] = ()  # models it needs beside the policy (molt/actor/helpers.py)
+    helpers: dict[str, str] = field(default_factory=dict)  # model it needs beside the policy -> the table it fills
     targets: Callable | None = None  # same arguments -> {helper: (R, L) per-token targets it trains on}
+    check: Callable = lambda cfg: None  # the run's config -> what is wrong with it for this estimator, or None
+    metrics: Callable = lambda tables: {}  # the per-token tables -> {metric: value}, logged every step
 
 
 ESTIMATORS = {"grpo": Estimator(grpo, group_baseline=True), "reinforce_pp": Estimator(reinforce_pp, group_baseline=True),
-              "rloo": Estimator(rloo, group_baseline=True), "opd": Estimator(opd, helpers=("teacher",)),
-              "gae": Estimator(gae, helpers=("critic",), targets=gae_targets)}
-TABLES = {"mask", "student_logp", "teacher_logp", "values"}  # per-token (R, L) inputs the loop can provide
-HELPER_TABLES = {"teacher": "teacher_logp", "critic": "values"}  # helper -> the table its scores fill
+              "rloo": Estimator(rloo, group_baseline=True),
+              "opd": Estimator(opd, helpers={"teacher": "teacher_logp"}, check=opd_check, metrics=opd_metrics),
+              "gae": Estimator(gae, helpers={"critic": "values"}, targets=gae_targets, check=gae_check)}
 
 
 def _bind(fn: Callable, cfg, rewards, group_ids, tables: dict):
@@ -126,7 +159,7 @@ def _bind(fn: Callable, cfg, rewards, group_ids, tables: dict):
 
 
 def compute_advantages(cfg, rewards: torch.Tensor, group_ids: torch.Tensor, **tables) -> torch.Tensor:
-    """Dispatch on `estimator.name`; returns (R,) or (R, L). `tables`: mask, student_logp, teacher_logp, values."""
+    """Dispatch on `estimator.name`; returns (R,) or (R, L). `tables`: those of `token_tables`."""
     if cfg.name not in ESTIMATORS:
         raise ValueError(f"estimator.name={cfg.name!r} is unknown; valid names: {sorted(ESTIMATORS)}")
     return _bind(ESTIMATORS[cfg.name].fn, cfg, rewards, group_ids, tables)
@@ -136,6 +169,15 @@ def helper_targets(cfg, rewards: torch.Tensor, group_ids: torch.Tensor, **tables
     """What the estimator's trainable helpers regress on this step, {helper: (R, L)} ({} for most estimators)."""
     fn = ESTIMATORS[cfg.name].targets
     return _bind(fn, cfg, rewards, group_ids, tables) if fn else {}
+
+
+def token_tables(est: Estimator, rollouts: list, scores: dict[str, list[list[float]]]) -> dict[str, torch.Tensor]:
+    """The per-token (R, L) inputs of an estimator: the loss mask, the behaviour log-probs it sampled with
+    (student_logp) and, under the table names of its entry, the per-segment scores of its helpers."""
+    segments = [s for r in rollouts for s in r.segments]
+    tables = {"mask": token_table(rollouts, [s.loss_mask for s in segments]),
+              "student_logp": token_table(rollouts, [s.logprobs for s in segments])}
+    return tables | {est.helpers[n]: token_table(rollouts, v) for n, v in scores.items()}
 
 
 def token_table(rollouts: list, columns: list[list[float]]) -> torch.Tensor:

@@ -128,12 +128,10 @@ class Objective:
         return cls(cfg.loss, cfg.is_correction, cfg.train.kl_coef)
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               num_loss_tokens: int, clip: float) -> tuple[torch.Tensor, dict]:
-    """PPO's clipped value loss, all (R, T): V_c = V_old + clamp(V - V_old, -clip, clip),
-    loss = sum_t mask_t 0.5 max((V - R)^2, (V_c - R)^2) / num_loss_tokens."""
-    clipped = old_values + (values - old_values).clamp(-clip, clip)
-    per_token = 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)  # (R, T)
+def value_loss(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, num_loss_tokens: int):
+    """The critic's regression to the returns, all (R, T): loss = sum_t mask_t 0.5 (V - R)^2 / num_loss_tokens.
+    No PPO value clip (V_old +- eps): the critic takes one optimizer step per batch, so V_old = V and it never binds."""
+    per_token = 0.5 * (values - returns) ** 2  # (R, T)
     mask = mask.bool()
     loss = torch.where(mask, per_token, 0.0).sum() / num_loss_tokens
     err = torch.where(mask, (values.detach() - returns).abs(), 0.0)

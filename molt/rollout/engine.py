@@ -3,7 +3,7 @@
     with launch_engines(cfg.engine, model_dir, log_dir) as servers:
         client = servers[0].client()                          # an EngineClient, with the run's API key
         done = await client.generate(prompt_ids, max_tokens=16)  # ids, behaviour log-probs, version
-        await sync_weights([client], actor_state_dict, version=1, sync_dir="/dev/shm")   # molt/rollout/reload.py
+        await sync_weights([client], actor_state_dict, version=1, sync_dir="/dev/shm")   # molt/sync/reload.py
 
 Each engine is one `python -m vllm.entrypoints.openai.api_server` process, spoken to only through
 documented HTTP routes (shared/VLLM.md). The engine labels every sampled token with the weight
@@ -13,7 +13,9 @@ engine reports "default", which is version 0: the checkpoint it was started from
 from __future__ import annotations
 
 import asyncio
+import base64
 import ctypes
+import io
 import json
 import os
 import shutil
@@ -25,16 +27,16 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
 import httpx
 
 from molt.config import EngineConfig
-from molt.cluster import free_port
+from molt.net import free_port, on_task
 from molt.rollout import routes
-from molt.types import Completion, EngineDied  # noqa: F401 (EngineDied: raised here, imported from here)
+from molt.types import Completion, EngineDied, Image
 
 SERVED_NAME = "policy"
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -318,9 +320,8 @@ def _remote(name: str, cfg: EngineConfig, model_dir: str, log_dir: str, key: str
     with the engine's GPUs if `gpus` (Ray sets CUDA_VISIBLE_DEVICES, which the server inherits)."""
     import ray
 
-    placement = {"resources": {f"molt_task_{task}": 0.001}} if f"molt_task_{task}" in ray.cluster_resources() else {}
     host = ray.remote(num_cpus=0, num_gpus=cfg.tensor_parallel_size * cfg.data_parallel_size if gpus else 0,
-                      max_restarts=0)(EngineHost).options(**placement).remote(name, cfg, model_dir, log_dir, key)
+                      max_restarts=0)(EngineHost).options(**on_task(task)).remote(name, cfg, model_dir, log_dir, key)
     return RemoteEngine(name, cfg, key, host, task)
 
 
@@ -475,3 +476,31 @@ class EngineClient:
         if self._http is not None:
             await self._http.aclose()
             self._http = None
+
+
+def image_features(ims: list[Image]) -> dict:
+    """Images of a prompt (offsets into it) as a generate call's `features` ({} when none, for splatting)."""
+    if not ims:
+        return {}
+    return {"features": {"mm_hashes": {"image": [im.sha256 for im in ims]},
+                         "mm_placeholders": {"image": [{"offset": im.offset, "length": im.length} for im in ims]},
+                         "kwargs_data": {"image": [im.engine["kwargs_data"] for im in ims]},
+                         "mm_metadata": {"image": [im.engine["mm_metadata"] for im in ims]}}}
+
+
+async def engine_features(client: EngineClient, ims: list[Image]) -> dict:
+    """`features` for images whose engine payload was dropped (a probe in the driver): the engine renders them again
+    from their source bytes, and the same bytes give the same processed image (checked by its hash)."""
+    if not ims:
+        return {}
+    from PIL import Image as PIL
+
+    def part(data: bytes) -> dict:
+        with PIL.open(io.BytesIO(data)) as im:  # a type molt/agents/images.py accepted when the rollout ran
+            url = f"data:{PIL.MIME[im.format]};base64,{base64.b64encode(data).decode()}"
+        return {"type": "image_url", "image_url": {"url": url}}
+
+    f = (await client.render([{"role": "user", "content": [part(im.data) for im in ims]}]))["features"]
+    assert f["mm_hashes"]["image"] == [im.sha256 for im in ims], "the engine processed the same image differently"
+    return image_features([replace(im, engine={k: f[k]["image"][i] for k in ("kwargs_data", "mm_metadata")})
+                           for i, im in enumerate(ims)])

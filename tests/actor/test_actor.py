@@ -10,9 +10,10 @@ from molt.actor.actor import Actor
 from molt.actor.helpers import Frozen
 from molt.actor.pack import micro_batches, pack
 from molt.assets import ensure_model
-from molt.algo.loss import Objective
+from molt.algo.loss import LOSSES, Objective
 from molt.config import IsCorrectionConfig, LossConfig, TrainConfig
 from molt.types import Segment
+from tests.algo.test_loss import loss_config
 
 LENGTHS = (5, 17, 9, 30, 4, 12, 25, 8, 20, 3)  # row_tokens=32 packs these into 5 rows
 
@@ -86,8 +87,9 @@ def test_packed_logprobs_equal_unpacked(model_dir, attn):
     assert diff <= 1e-5 and all(p[0] == 0.0 for p in packed)
 
 
-def test_gradient_independent_of_micro_batch_split(model_dir):
-    actor = Actor(model_dir, TrainConfig(row_tokens=32, micro_batch_rows=1))
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+def test_gradient_independent_of_micro_batch_split(model_dir, loss):
+    actor = Actor(model_dir, TrainConfig(row_tokens=32, micro_batch_rows=1), objective=Objective(loss_config(loss)))
     segs = make_segments()
     # behaviour a little off the actor so some ratios leave the clip band
     segs = with_logprobs(segs, actor.logprobs(segs), shift=0.0)

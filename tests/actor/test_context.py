@@ -1,6 +1,5 @@
 """Context parallelism: the sliced, next-token-aligned forward on cp ranks reproduces the 1-rank log-probs, loss and
 gradients (real gloo process groups in spawned processes, tiny dense and MoE Qwen3 models, packed rows)."""
-import socket
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from molt.actor.pack import NO_TARGET, align_next, cp_slice, cp_unslice, cp_widt
 from molt.algo.loss import Objective
 from molt.assets import ensure_model
 from molt.config import FsdpConfig
+from molt.net import free_port
 from tests.actor.test_actor import make_segments
 
 LENGTHS = (13, 7, 9, 5, 10, 3, 6, 4)  # 3 rows of 23, 22, 12 tokens: cp_slice pads them to 24 columns
@@ -97,12 +97,6 @@ def _cp_rank(rank, world, port, model_dirs, modes, out):
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def references(model_dirs):
     return {kind: reference(model_dirs[kind]) for kind in KINDS}
@@ -111,7 +105,7 @@ def references(model_dirs):
 @pytest.mark.parametrize("world,modes", [(2, (False, True)), (4, (False,))])  # parallelize at cp=2 only (time)
 def test_cp_matches_one_rank(model_dirs, references, tmp_path, world, modes):
     out = tmp_path / "cp.pt"
-    mp.spawn(_cp_rank, args=(world, _free_port(), model_dirs, modes, str(out)), nprocs=world)
+    mp.spawn(_cp_rank, args=(world, free_port(), model_dirs, modes, str(out)), nprocs=world)
     for (kind, via_parallelize), (loss, every, grads) in torch.load(out).items():
         ref_loss, ref_every, ref_grads = references[kind]
         what = f"{kind}, cp={world}, {'parallelize' if via_parallelize else 'context.enable'}"

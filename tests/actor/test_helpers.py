@@ -8,9 +8,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
-from molt.actor.group import free_port, init_distributed, run_actor
+from molt.actor.group import init_distributed, run_actor
 from molt.assets import ensure_model
 from molt.config import EstimatorConfig, FsdpConfig, RunConfig, TrainConfig
+from molt.net import free_port
 from tests.actor.test_parallel import segments
 
 

@@ -1,4 +1,5 @@
 """The dry-run planner: the real layout on a meta model and a fake process group, numbers checked by hand."""
+import json
 import math
 import subprocess
 import sys
@@ -8,12 +9,17 @@ import pytest
 import torch.distributed as dist
 
 from molt.actor.planner import GIB, format_plan, plan_memory, read_shards
+from molt.assets import tiny_config
 from molt.config import REPO, RunConfig
 
 ARCH = REPO / "conf" / "arch"
 # DeepSeek-V3 by hand: 61 layers, the first 3 dense; each MoE layer has 256 experts of gate+up+down (3 x H x I)
 H, V, I_MOE, L = 7168, 129280, 2048, 61
 ROUTED = (L - 3) * 256 * 3 * H * I_MOE  # 653.9B
+# a tiny Mixtral: its experts are counted in num_local_experts and sized by intermediate_size (no dense MLP)
+MIXTRAL = dict({k: v for k, v in tiny_config().items() if k not in ("model_type", "architectures")},
+               model_type="mixtral", architectures=["MixtralForCausalLM"], intermediate_size=64, num_local_experts=4,
+               num_experts_per_tok=2)
 
 
 def run_config(model: str, dp=1, ep=1, cp=1, nodes=1, gpus=8, **train) -> RunConfig:
@@ -107,6 +113,17 @@ def test_one_gpu_plans_fp32_masters_in_the_optimizer_and_no_fsdp():
     assert plan.gpu["gathered"] == 0 and not plan.fits  # 30B x 16 B on one 79 GiB GPU
     cfg.fsdp.offload = "optimizer"
     assert plan_memory(cfg).host["params"] == 4 * total
+
+
+def test_mixtral_style_config_is_planned_as_moe(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(MIXTRAL))
+    cfg = run_config("mixtral", ep=2, gpus=2, activation_checkpointing=True)
+    cfg.model.path = str(tmp_path)
+    total, routed, local, local_expert, _ = read_shards(cfg)
+    assert routed == 2 * 4 * 3 * 128 * 64 and local_expert == routed // 2  # 2 of the 4 experts per ep rank
+    # per token: norms 4H, q k v o 2 x 4 x 32 + 2 x 2 x 32, 2 routed experts x (2H + 4I) and fp32 router logits over 4
+    layer = 4 * 128 + (256 + 128) + 2 * (2 * 128 + 4 * 64) + 2 * 4
+    assert f"+ {layer} of one layer" in plan_memory(cfg).notes["activations"]
 
 
 def test_planner_never_replaces_the_callers_process_group(tmp_path):

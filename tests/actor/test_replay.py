@@ -256,7 +256,7 @@ def _parallel_rank(rank: int, world: int, port: int, model_dir: str, layout: str
 
 @pytest.mark.parametrize("layout", ["ep", "cp"])
 def test_replay_under_parallelism(moe_dir, tmp_path, layout):
-    from molt.actor.group import free_port
+    from molt.net import free_port
 
     actor = load_model(moe_dir, "float32", "sdpa", "cpu", trainable=False)
     batch = make_batch()

@@ -16,10 +16,11 @@ import torch.multiprocessing as mp
 from PIL import Image as PIL
 
 from molt.actor.actor import Actor
-from molt.actor.group import free_port, init_distributed, rank_actor
+from molt.actor.group import init_distributed, rank_actor
 from molt.actor.parallel import full_tensors
 from molt.assets import VL_IMAGE, ensure_model
 from molt.config import FsdpConfig, TrainConfig
+from molt.net import free_port
 from molt.types import Image, Segment
 
 TRAIN = TrainConfig(row_tokens=48, micro_batch_rows=1, lr=1e-3, grad_clip=1.0)

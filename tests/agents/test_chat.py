@@ -19,15 +19,15 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from molt.agents import load_agent
-from molt.agents import run_group
+from molt.agents import MODES, Mode, load_agent, run_group
 from molt.agents.chat_agent import run_chat_rollout
 from molt.agents.chat_server import close_session, open_session, shared_server, stop_shared_server
 from molt.assets import ensure_model
 from molt.config import AgentConfig, EngineConfig
-from molt.rollout.engine import EngineClient, EngineDied, free_port, launch_engines
+from molt.net import free_port
+from molt.rollout.engine import EngineClient, launch_engines
 from molt.rollout.router import Router
-from molt.types import Completion
+from molt.types import Completion, EngineDied, Rollout, RolloutFailed, Segment
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two digits.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
@@ -511,7 +511,7 @@ def test_agent_timeout_fails_the_rollout_and_closes_its_session(loop, client, to
         seen.append(ctx.base_url)
         await asyncio.sleep(600)
 
-    ro = run(loop, run_chat_rollout(Router([client]).generate, tok, agent, SAMPLE, "t/0", "t", cfg, {}))
+    ro = group(loop, Router([client]).generate, tok, agent, cfg=cfg, gid="t").rollouts[0]
     assert (ro.status, ro.reward, ro.info["failed"], len(ro.segments)) == ("failed", 0.0, 1.0, 1)
     assert httpx.get(f"{seen[0]}/models", headers={"Authorization": "Bearer x"}).status_code == 404
 
@@ -531,6 +531,73 @@ def test_engine_death_propagates(loop, tok):
 def test_load_agent_names_the_contract():
     with pytest.raises(AttributeError, match="run_agent"):
         load_agent("chat", json)
+
+
+# ---- the MODES contract: every runner's rollouts are checked and its failures recorded one way, in run_group ----
+
+
+def boom():
+    raise RuntimeError("boom")  # the failing agent of every mode raises here: the one-line reason names this line
+
+
+class OneTurnEnv:
+    def __init__(self, sample):
+        self.sample = sample
+
+    def step(self, action):
+        if self.sample["fail"]:
+            boom()
+        return [], 1.0, True
+
+
+async def one_call_agent(ctx):
+    oai = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+    await oai.chat.completions.create(model=ctx.model, messages=ctx.messages)
+    if ctx.sample["fail"]:
+        boom()
+    return 1.0
+
+
+def test_every_mode_checks_its_rollouts_and_records_failures_one_way(loop, client, tok):
+    """Each MODES runner, through run_group, with an agent that succeeds after one model call and one that raises
+    after it: the same status, reward, counters and reason in every mode; a failed rollout keeps what it generated,
+    and every segment is checked and counted."""
+    agents = {"env": OneTurnEnv, "chat": one_call_agent}
+    assert set(agents) == set(MODES), "a new mode needs its agents here"
+    cfg = AgentConfig(mode="chat", max_turns=1, max_tokens_per_turn=4, max_total_tokens=128)
+    seen = {}
+    for mode, agent in agents.items():
+        groups = [run(loop, run_group(mode, Router([client]).generate, tok, agent, dict(SAMPLE, fail=fail),
+                                      f"{mode}-{fail}", 2, cfg, {"temperature": 1.0})) for fail in (False, True)]
+        rollouts = [r for g in groups for r in g.rollouts]
+        for r in rollouts:
+            assert len(r.segments) == 1 and r.segments[0].num_generated > 0, (mode, r.error)
+            r.segments[0].check()
+            assert (r.info["gen_tokens"], r.info["tokens"]) == (r.segments[0].num_generated, len(r.segments[0].token_ids))
+        seen[mode] = [(r.status, r.reward, r.info.get("failed"), r.info["retried"], r.error.partition(": ")[2])
+                      for r in rollouts]
+    where = f"RuntimeError: boom ({boom.__code__.co_filename}:{boom.__code__.co_firstlineno + 1})"
+    assert seen["env"] == [("ok", 1.0, None, 0.0, "")] * 2 + [("failed", 0.0, 1.0, 0.0, where)] * 2
+    assert seen["chat"] == seen["env"]
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_run_group_checks_the_segments_of_any_runner(monkeypatch, fails):
+    """The checks are run_group's, not each runner's: a runner that hands back a broken segment, as its rollout or
+    inside RolloutFailed, stops the group."""
+
+    async def broken(generate, tokenizer, agent, sample, rollout_id, group_id, cfg, sampling, release):
+        seg = Segment()
+        seg.append([1, 2])
+        seg.loss_mask.pop()
+        ro = Rollout(rollout_id, group_id, [seg])
+        if fails:
+            raise RolloutFailed(ro, "the agent failed")
+        return ro
+
+    monkeypatch.setitem(MODES, "broken", Mode("run", broken, __file__))
+    with pytest.raises(AssertionError, match="columns disagree"):
+        asyncio.run(run_group("broken", None, None, None, {}, "g", 1, AgentConfig(), {}))
 
 
 # ---- the calculator example: ChatAgent (openai SDK) and Env mode see the same tokens ----

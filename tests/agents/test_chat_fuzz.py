@@ -1,16 +1,20 @@
 """Property-based fuzzing of the chat server's two wire protocols (issue 11): 4,000 generated requests in make test
-(about 25 s on 2 cores; 10,000 took 125 s).
+(about 25 s on 2 cores; 10,000 took 125 s), and 1,000 dropped connections (issue 23).
 
 Bodies are drawn by hypothesis from near-valid shapes (the protocols' own fields and blocks, with any JSON in any
 slot) and from raw bytes, and sent through the server's real ASGI app (in process: no sockets, so the budget goes
 to requests, not to the loopback stack). For every request: a protocol response (200, or 4xx in the protocol's
 error shape; never a 5xx), and another session's trajectory untouched. At the end the server still serves a valid
-request. The engine is a scripted fake (tests/agents/test_chat_hostile.py). More examples: MOLT_FUZZ_EXAMPLES.
+request. Dropped connections go over real loopback sockets: a valid request cut at any byte (request line,
+headers or body; content-length or chunked) and closed, then the same request whole, which must be served and
+leave no error on the session. The engine is a scripted fake (tests/agents/test_chat_hostile.py).
+More examples: MOLT_FUZZ_EXAMPLES.
 (schemathesis is not used: the routes read their bodies themselves, so the app's OpenAPI schema says nothing
 about them; the strategies below are the schema.)
 """
 import json
 import os
+import socket
 import time
 
 import httpx
@@ -20,7 +24,7 @@ from hypothesis import strategies as st
 
 from molt.agents.chat_server import build_app, close_session, open_session, shared_server
 from molt.config import AgentConfig
-from tests.agents.test_chat_hostile import Scripted, loop, run, tok  # noqa: F401 (fixtures)
+from tests.agents.test_chat_hostile import Scripted, _settled, loop, run, tok  # noqa: F401 (fixtures)
 
 EXAMPLES = int(os.environ.get("MOLT_FUZZ_EXAMPLES", "2000"))  # per protocol: 4,000 requests in all
 CFG = AgentConfig(mode="chat", max_turns=10**9, max_tokens_per_turn=4, max_total_tokens=256, max_request_bytes=4096)
@@ -78,8 +82,8 @@ def fuzz(loop, tok):  # noqa: F811
 
     async def stop():
         await client.aclose()
-        close_session(srv, victim)
-        close_session(srv, target)
+        for seg in close_session(srv, victim) + close_session(srv, target):
+            seg.check()  # whatever was sent, what the sessions recorded is well formed
 
     run(loop, stop())
 
@@ -114,3 +118,43 @@ def test_fuzzed_requests_get_protocol_answers(loop, fuzz, kind):  # noqa: F811
     assert len(statuses) >= EXAMPLES and statuses.count(200) > 0 and 400 in statuses
     ok = {"model": "p", "max_tokens": 2, "messages": [{"role": "user", "content": "still there?"}]}
     assert send(loop, fuzz, kind, json.dumps(ok).encode())[0] == 200  # the server is alive
+
+
+def raw_request(kind: str, s, body: bytes, chunked: bool) -> bytes:
+    """A whole HTTP/1.1 request to session `s`, asking the server to close the connection after its answer."""
+    if chunked:
+        body = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    head = [f"POST /s/{s.sid}{ROUTES[kind]} HTTP/1.1", "host: 127.0.0.1", f"authorization: Bearer {s.key}",
+            f"x-api-key: {s.key}", "content-type: application/json", "connection: close",
+            "transfer-encoding: chunked" if chunked else f"content-length: {len(body)}"]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def exchange(port: int, raw: bytes) -> bytes:
+    """Send `raw` on a fresh loopback connection and read until the server closes it."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(raw)
+        return b"".join(iter(lambda: sock.recv(1 << 16), b""))
+
+
+@pytest.mark.parametrize("kind", ["oai", "ant"])
+def test_dropped_connections_leave_the_session_healthy(loop, fuzz, kind):  # noqa: F811
+    srv, _, target, _ = fuzz
+    n, t0 = [0], time.perf_counter()
+
+    @settings(max_examples=max(EXAMPLES // 4, 10), deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(body=valid.map(lambda b: json.dumps(b).encode()), chunked=st.booleans(), data=st.data())
+    def one(body, chunked, data):
+        raw = raw_request(kind, target, body, chunked)
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
+            sock.sendall(raw[:data.draw(st.integers(0, len(raw) - 1), label="cut")])  # then closed
+        answer = exchange(srv.port, raw)
+        assert answer.startswith(b"HTTP/1.1 200 "), answer
+        assert target.error is None, target.error
+        n[0] += 1
+
+    one()
+    run(loop, _settled(srv))  # every dropped request has been handled
+    print(f"\n{kind}: {n[0]} dropped connections in {time.perf_counter() - t0:.1f} s")
+    assert n[0] >= EXAMPLES // 4 and target.error is None

@@ -6,7 +6,7 @@ from transformers import AutoTokenizer
 
 from molt.agents import chat_wire as wire
 from molt.agents.chat_server import cut_at_stop
-from molt.agents.env import render_delta, render_prompt
+from molt.agents.render import render_delta, render_prompt
 from molt.assets import ensure_model
 
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'

@@ -8,12 +8,15 @@ from transformers import AutoTokenizer
 
 from experiments.quickstart import task
 from experiments.quickstart.task import make_env, reward, target
-from molt.agents.env import TemplateError, render_delta, render_prompt, run_env_rollout
 from molt.agents import run_group
+from molt.agents.env import run_env_rollout
+from molt.agents.render import TemplateError, render_delta, render_prompt
 from molt.assets import ensure_model
 from molt.config import AgentConfig, EngineConfig
-from molt.rollout.engine import EngineClient, EngineDied, free_port, launch_engines
+from molt.net import free_port
+from molt.rollout.engine import EngineClient, launch_engines
 from molt.rollout.router import Router
+from molt.types import EngineDied
 
 CONVERSATION = [
     {"role": "system", "content": "You count."},
@@ -167,8 +170,8 @@ def test_multiturn_rollout_is_token_exact(router, tok):
 
     generate, calls = recording(router)
     cfg = AgentConfig(max_turns=5, max_tokens_per_turn=8, max_total_tokens=400)
-    ro = run(run_env_rollout(generate, tok, mk, SAMPLE, "r0", "g0", cfg,
-                             {"temperature": 1.0, "stop_token_ids": stop_ids(tok)}))
+    ro = run(run_group("env", generate, tok, mk, SAMPLE, "g0", 1, cfg,
+                       {"temperature": 1.0, "stop_token_ids": stop_ids(tok)})).rollouts[0]
     assert (ro.status, ro.info["turns"], ro.reward) == ("ok", 3.0, 0.75)
     seg, comps = ro.segments[0], [c for *_, c in calls]
     assert len(comps) == 3 and all(c.finish_reason == "stop" for c in comps)

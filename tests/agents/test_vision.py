@@ -20,15 +20,15 @@ from PIL import Image as PIL
 
 from molt.actor import vision
 from molt.actor.actor import Actor
-from molt.agents import images
+from molt.agents import images, run_group
 from molt.agents.chat_agent import run_chat_rollout
 from molt.agents.env import run_env_rollout
-from molt.agents import run_group
+from molt.agents.render import _engine_prompt
 from molt.assets import VL_IMAGE, ensure_model
 from molt.config import AgentConfig, EngineConfig, TrainConfig
-from molt.rollout.engine import launch_engines
-from molt.rollout.reload import sync_weights, verify_sync
+from molt.rollout.engine import engine_features, launch_engines
 from molt.rollout.router import Router
+from molt.sync.reload import sync_weights, verify_sync
 from molt.types import Completion
 from tests.agents.test_chat import loop  # noqa: F401 (the event-loop fixture)
 
@@ -119,7 +119,7 @@ STOP = {"temperature": 1.0, "stop_token_ids": list(range(100, 400))}  # a random
 
 
 def test_env_two_images_token_exact_and_logprobs_agree(router, tok, actor):
-    ro = asyncio.run(run_env_rollout(router, tok, TwoImages, SAMPLE, "r2", "g", AGENT, STOP))
+    ro = asyncio.run(run_group("env", router, tok, TwoImages, SAMPLE, "r2", 1, AGENT, STOP)).rollouts[0]
     assert ro.status == "ok", ro.info
     seg = ro.segments[0]
     assert len(seg.images) == 2 and [im.data for im in seg.images] == [png(1), png(2)]
@@ -219,8 +219,8 @@ CHAT = AgentConfig(mode="chat", max_turns=3, max_tokens_per_turn=8, max_total_to
 @pytest.mark.parametrize("protocol, stream", [("openai", False), ("openai", True), ("anthropic", False),
                                               ("anthropic", True)])
 def test_chat_images_both_sdks_aligned_and_logprobs_agree(loop, router, tok, actor, protocol, stream):
-    ro = on(loop, run_chat_rollout(router, tok, three_turns(protocol, stream), {}, f"c-{protocol}-{stream}", "g",
-                                   CHAT, STOP))
+    ro = on(loop, run_group("chat", router, tok, three_turns(protocol, stream), {}, f"c-{protocol}-{stream}", 1,
+                            CHAT, STOP)).rollouts[0]
     assert ro.status == "ok" and ro.info["turns"] == 3, ro.info
     assert len(ro.segments) == 1  # every request extended the previous one: no compaction
     seg = ro.segments[0]
@@ -239,7 +239,7 @@ def test_chat_bad_image_fails_the_rollout_with_its_reason(loop, router, tok):
         return await _openai_turn(ctx, [user("hi", openai_part(png(7)))], False) and 1.0  # the server goes on
 
     cfg = AgentConfig(mode="chat", max_tokens_per_turn=4, image_max_pixels=200 * 200)
-    ro = on(loop, run_chat_rollout(router, tok, agent, {}, "c-bad", "g", cfg, STOP))
+    ro = on(loop, run_group("chat", router, tok, agent, {}, "c-bad", 1, cfg, STOP)).rollouts[0]
     assert ro.status == "failed" and ro.info["failed/image_too_large"] == 1.0 and ro.reward == 0.0
 
 
@@ -305,17 +305,17 @@ def test_compaction_refused_when_the_template_loses_a_reply(tok):
 
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "red"}]
     with pytest.raises(ValueError, match="placeholder of an earlier message 0 times"):
-        asyncio.run(images.render_spliced(Drops(), "r", tok, msgs, {1: tok.encode("red")}, CHAT))
+        asyncio.run(_engine_prompt(Drops(), "r", tok, msgs, {1: tok.encode("red")}, CHAT))
 
 
 def test_weight_sync_covers_the_vision_tower(router, tok, actor, tmp_path):
     """Only the vision tower changes in the actor; after a sync the engine's log-probs on an image prompt move
     with it and match the actor's (the loop's probe, on images rendered again from their bytes). Runs last: the
     module's engine keeps the new weights."""
-    ro = asyncio.run(run_env_rollout(router, tok, TwoImages, SAMPLE, "sync", "g", AGENT, STOP))
+    ro = asyncio.run(run_group("env", router, tok, TwoImages, SAMPLE, "sync", 1, AGENT, STOP)).rollouts[0]
     seg = ro.segments[0]
     client = next(iter(router.clients.values()))
-    features = asyncio.run(images.engine_features(client, seg.images))
+    features = asyncio.run(engine_features(client, seg.images))
     before = asyncio.run(client.prompt_logprobs(seg.token_ids, **features))
     assert max(abs(a - b) for a, b in zip(before, actor.logprobs([seg])[0][1:])) <= 1e-4
     with torch.no_grad():

@@ -5,8 +5,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from molt.algo.advantages import (ESTIMATORS, HELPER_TABLES, TABLES, compute_advantages, gae, gae_raw, grpo, opd, reinforce_pp,
-                                  rloo, token_table, untable)
+from molt.algo.advantages import (ESTIMATORS, compute_advantages, gae, gae_raw, grpo, opd, reinforce_pp, rloo, token_table,
+                                  token_tables, untable)
 from molt.config import EstimatorConfig, RunConfig
 from molt.loop import prepare
 from molt.types import Group, Rollout, Segment
@@ -60,18 +60,22 @@ def test_compute_advantages_dispatch():
 @pytest.mark.parametrize("name", sorted(ESTIMATORS))
 def test_every_estimator_parameter_is_known(name):
     """Estimator arguments are bound by name (advantages._bind): a misspelt one would silently keep its default.
-    Each must be a per-token table the loop provides or an EstimatorConfig field; each helper fills a table."""
+    Each must be a per-token table `token_tables` builds for the entry (its helpers' included) or an EstimatorConfig
+    field; its metrics are floats computed from those tables."""
     import dataclasses
     import inspect
 
     fields = {f.name for f in dataclasses.fields(EstimatorConfig)}
     entry = ESTIMATORS[name]
+    rollouts = [_rollout("r", "g", 1.0, 2)]
+    scores = {h: [[-1.0] * len(s.token_ids) for s in rollouts[0].segments] for h in entry.helpers}
+    tables = token_tables(entry, rollouts, scores)
     for fn in filter(None, (entry.fn, entry.targets)):
         params = list(inspect.signature(fn).parameters)
         assert params[:2] == ["rewards", "group_ids"], fn.__name__
-        unknown = set(params[2:]) - TABLES - fields
+        unknown = set(params[2:]) - set(tables) - fields
         assert not unknown, f"{fn.__name__}: {unknown} is neither a per-token table nor an EstimatorConfig field"
-    assert set(entry.helpers) <= set(HELPER_TABLES) | {"reference"}
+    assert all(isinstance(v, float) for v in entry.metrics(tables).values())
 
 
 def _rollout(rid: str, gid: str, reward: float, num_segments: int) -> Rollout:

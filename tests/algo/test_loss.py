@@ -1,10 +1,12 @@
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from molt.algo.loss import LOSSES, Objective, combine, kl_penalty
-from molt.config import IsCorrectionConfig, LossConfig
+from molt.config import REPO, IsCorrectionConfig, LossConfig
 
 PPO = LossConfig()  # ppo_clip, band [0.8, 1.28]
 
@@ -33,12 +35,48 @@ def test_policy_loss_hand_worked():
     assert m["ratio/mean"].item() == pytest.approx((1 + math.exp(0.5) + math.exp(-0.5) + 1.1) / 8, abs=1e-6)
 
 
-def test_policy_loss_sums_over_micro_batches():
-    logp, behaviour, adv, mask = _case()
-    whole, _ = policy_loss(logp, behaviour, adv, mask, 4, 0.2, 0.28)
-    halves = [policy_loss(logp[:, s], behaviour[:, s], adv[:, s], mask[:, s], 4, 0.2, 0.28)[0]
-              for s in (slice(0, 2), slice(2, 5))]
-    assert (halves[0] + halves[1]).item() == pytest.approx(whole.item(), abs=1e-7)
+def loss_config(name: str) -> LossConfig:
+    """The loss's shipped settings (conf/loss/<name>.yaml)."""
+    node = OmegaConf.load(Path(REPO, "conf", "loss", f"{name}.yaml"))
+    return LossConfig(**{k: v for k, v in node.items() if k != "defaults"})
+
+
+def _packed_rows():
+    """4 packed rows as the actor's micro-batches see them: 6 segments (-1: padding), prompt tokens off the mask,
+    one advantage per segment, log-ratios spread around 0 so that some tokens and sequences leave every band."""
+    g = torch.Generator().manual_seed(0)
+    segs = torch.tensor([[0, 0, 0, 1, 1, -1], [2, 2, 2, 2, 2, 2], [3, 3, 4, 4, 4, -1], [5, 5, 5, 5, -1, -1]])
+    mask = ((segs >= 0) & (torch.rand(segs.shape, generator=g) > 0.2)).float()  # (R, T)
+    old = -3 * torch.rand(segs.shape, generator=g)  # (R, T)
+    logp = old + 0.3 * torch.randn(segs.shape, generator=g)  # (R, T)
+    adv = torch.tensor([1.0, -0.5, 2.0, -1.0, 0.7, 1.5])[segs.clamp(min=0)] * mask  # (R, T)
+    weight = 0.5 + torch.rand(segs.shape, generator=g)  # IS weights, as Objective passes them
+    return logp, old, adv, mask, segs, weight
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_every_loss_sums_over_micro_batches(name):
+    """The contract of a LOSSES entry: summed over micro-batches of whole rows (a segment never spans rows) with
+    the batch's num_loss_tokens, its loss, gradient and metrics are the whole batch's, for any split."""
+    cfg, (logp, old, adv, mask, segs, weight) = loss_config(name), _packed_rows()
+
+    def accumulate(split):
+        lp, total, metrics = logp.clone().requires_grad_(), 0.0, {}
+        for rows in torch.arange(len(segs)).split(split):
+            loss, m = LOSSES[name](lp[rows], old[rows], adv[rows], mask[rows], segs[rows], int(mask.sum()), cfg,
+                                   weight[rows])
+            loss.backward()
+            total, metrics = total + loss.item(), combine(metrics, m)
+        return total, lp.grad, metrics
+
+    whole, grad, metrics = accumulate([4])
+    assert 0 < metrics["clip/frac"] < 1 and grad.abs().sum() > 0  # the split has something to change
+    for split in ([1, 1, 1, 1], [2, 2], [3, 1], [1, 3]):
+        total, g, m = accumulate(split)
+        assert total == pytest.approx(whole, abs=1e-6), split
+        torch.testing.assert_close(g, grad, rtol=0, atol=1e-7)
+        assert {k: v.item() for k, v in m.items()} == pytest.approx({k: v.item() for k, v in metrics.items()},
+                                                                    abs=1e-6)
 
 
 @pytest.mark.parametrize("adv, ratio, has_grad", [
@@ -92,10 +130,6 @@ def test_cispo_hand_worked():
 
 
 def test_every_loss_has_a_config_file():
-    from pathlib import Path
-
-    from molt.config import REPO
-
     assert {p.stem for p in Path(REPO, "conf", "loss").glob("*.yaml")} == set(LOSSES)
 
 

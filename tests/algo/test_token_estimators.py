@@ -4,12 +4,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from molt import checkpoint, guards
+from molt import checkpoint
 from molt.actor.actor import load_model, per_token, token_logprobs
 from molt.actor.group import run_actor
 from molt.algo.advantages import gae_raw, token_table
 from molt.algo.loss import value_loss
-from molt.assets import ensure_model
+from molt.assets import ensure_model, tokenizer_mismatch
 from molt.config import EstimatorConfig, RunConfig, TrainConfig
 from molt.loop import prepare, restore
 from molt.types import Group, Rollout, Segment
@@ -53,13 +53,13 @@ def test_opd_advantage_is_teacher_minus_student(model_dir):
     assert prep.helper_targets == {}
 
 
-def test_value_loss_clip_hand_worked():
-    v = torch.tensor([[1.0, 0.6]], requires_grad=True)
-    loss, m = value_loss(v, torch.tensor([[0.5, 0.5]]), torch.tensor([[2.0, 0.0]]), torch.ones(1, 2), 2, 0.2)
-    # token 0: V_c = .7, max((1 - 2)^2, (.7 - 2)^2) = 1.69, the clipped branch: no gradient; token 1: inside the clip
-    assert loss.item() == pytest.approx(0.5 * (1.69 + 0.36) / 2)
+def test_value_loss_hand_worked():
+    v = torch.tensor([[1.0, 0.6, 5.0]], requires_grad=True)
+    loss, m = value_loss(v, torch.tensor([[2.0, 0.0, 0.0]]), torch.tensor([[1.0, 1.0, 0.0]]), 4)
+    # 0.5 ((1 - 2)^2 + .6^2) over 4 loss tokens of the whole batch; the third token is off the mask
+    assert loss.item() == pytest.approx(0.5 * (1.0 + 0.36) / 4) and m["critic/abs_err"].item() == pytest.approx(1.6 / 4)
     loss.backward()
-    assert v.grad.tolist() == [[0.0, pytest.approx(0.6 / 2)]]
+    assert v.grad.tolist() == [[pytest.approx(-1.0 / 4), pytest.approx(0.6 / 4), 0.0]]
 
 
 def test_critic_learns_returns_and_gae_uses_it(model_dir):
@@ -109,4 +109,4 @@ def test_checkpoint_keeps_the_critic_and_exports_a_teacher(model_dir, tmp_path):
     teacher = load_model(checkpoint.export_hf(path, tmp_path / "teacher"), "float32", "sdpa", "cpu")
     for a, b in zip(logprobs_of(teacher, segs, cfg.train), actor.logprobs(segs)):  # sdpa vs the actor's attention
         assert a == pytest.approx(b, abs=1e-5)
-    assert guards.tokenizer_mismatch(model_dir, tmp_path / "teacher") is None
+    assert tokenizer_mismatch(model_dir, tmp_path / "teacher") is None

@@ -9,7 +9,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from molt.cluster import free_port
+from molt.net import free_port
 
 HERE = Path(__file__).resolve().parent
 

@@ -1,4 +1,5 @@
-"""`molt cluster=slurm_local ...` on a real single-node Slurm (conftest.py): submission, guard rails, dry run."""
+"""`molt cluster=slurm_local ...` on a real single-node Slurm (conftest.py): submission, guard rails, the dry run's
+script against the submitted one (the dry run without Slurm: tests/test_dry_run.py)."""
 from __future__ import annotations
 
 import os
@@ -47,23 +48,16 @@ def test_bad_input_fails_before_submission(slurm, tmp_path, overrides, fragment)
     assert "submitted" not in out.stdout and not (tmp_path / ".submitit").exists() and not queue()
 
 
-def test_dry_run_prints_the_sbatch_script(slurm, tmp_path):
-    out = molt("-m", *TINY, "estimator=grpo,rloo", "+cluster.extra_sbatch.mail-type=END",
-               "cluster.extra_srun=['--mpi=none']", "cluster.python=/opt/venv/bin/python", "dry_run=true",
-               f"hydra.sweep.dir={tmp_path}", timeout=120)
-    assert out.returncode == 0, out.stderr
-    for line in ["#SBATCH --partition=debug", "#SBATCH --array=0-1%2", "#SBATCH --cpus-per-task=2",
-                 "#SBATCH --time=30", "#SBATCH --mail-type=END", "#SBATCH --job-name=quickstart",
-                 "srun --unbuffered", "--mpi=none /opt/venv/bin/python -u -m submitit.core._submit"]:
-        assert line in out.stdout, (line, out.stdout)
-    assert not queue() and not (tmp_path / ".submitit").exists()
-
-
 def test_sweep_is_one_array_and_molt_compare_tables_and_plots_it(slurm, tmp_path):
-    out = molt("-m", *TINY, "train.steps=2", "estimator=grpo,rloo", f"hydra.sweep.dir={tmp_path}")
+    sweep = ("-m", *TINY, "train.steps=2", "estimator=grpo,rloo", f"hydra.sweep.dir={tmp_path}")
+    dry = molt(*sweep, "dry_run=true", timeout=120)
+    assert dry.returncode == 0 and not queue(), dry.stderr
+    out = molt(*sweep)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     ids = [line.split()[4] for line in out.stdout.splitlines() if line.startswith("molt: submitted Slurm job")]
     assert len(ids) == 2 and {i.split("_")[0] for i in ids} == {ids[0].split("_")[0]}, ids  # one array
+    (script,) = (tmp_path / ".submitit").glob("*/*_submission.sh")  # what submitit sent to sbatch
+    assert script.read_text() in dry.stdout, "the dry run printed the script that was submitted"
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client, found = runs(uri)
     assert sorted(r.data.tags["molt.overrides"].split()[-1] for r in found) == ["estimator=grpo", "estimator=rloo"]

@@ -3,12 +3,15 @@ import asyncio
 import time
 
 import pytest
+from safetensors.torch import load_file
 
 from molt.assets import ensure_model
 from molt.config import EngineConfig
 from molt.rollout.engine import group_pids, launch_engines
+from molt.sync.reload import sync_weights, verify_sync
 
 TIMINGS: dict[str, float] = {}  # printed at the end of the session (run pytest with -s to see them)
+PROBE = [1, 5, 88, 300, 12, 45, 45, 200, 9, 2, 130, 77]
 
 
 def run(coro):
@@ -34,3 +37,32 @@ def engine(tiny_dir, tmp_path_factory):
         yield servers[0]
     assert group_pids(pgid) == [], "launch_engines left engine processes behind"
     print("\nrollout timings:", {k: round(v, 4) for k, v in TIMINGS.items()})
+
+
+async def _probe(engine) -> tuple[int, list[float]]:
+    c = engine.client()
+    try:
+        return await c.version(), await c.prompt_logprobs(PROBE)
+    finally:
+        await c.aclose()
+
+
+async def _restore(engine, weights: dict, version: int, expected: list[float], sync_dir) -> None:
+    c = engine.client()
+    try:
+        await sync_weights([c], weights, version, sync_dir)
+        await verify_sync(c, PROBE, expected, tol=1e-4)
+        assert await c.version() == version
+    finally:
+        await c.aclose()
+
+
+@pytest.fixture
+def restores_weights(engine, tiny_dir, tmp_path_factory):
+    """For a test that syncs other weights into the shared engine: afterwards the model's own weights and the
+    version label go back in through the same reload path, and the engine must answer the probe as before the
+    test, so every test sees the engine the session started whatever ran first."""
+    version, before = run(_probe(engine))
+    yield
+    weights = {k: v for f in sorted(tiny_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
+    run(_restore(engine, weights, version, before, tmp_path_factory.mktemp("restore")))

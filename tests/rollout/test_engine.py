@@ -20,12 +20,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from molt.rollout.engine import EngineClient, EngineDied, group_pids, launch_engines, server_cmd
-from molt.rollout.reload import sync_weights, verify_sync, write_checkpoint
-from tests.rollout.conftest import TIMINGS, engine_cfg, run
+from molt.rollout.engine import EngineClient, group_pids, launch_engines, server_cmd
+from molt.sync.reload import sync_weights, verify_sync, write_checkpoint
+from molt.types import EngineDied
+from tests.rollout.conftest import PROBE, TIMINGS, engine_cfg, run
 
 PROMPT = [1, 17, 42, 99, 7, 250, 3, 64]
-PROBE = [1, 5, 88, 300, 12, 45, 45, 200, 9, 2, 130, 77]
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +80,7 @@ def test_generate_matches_transformers(engine, hf_model):
     assert stopped.finish_reason == "stop" and len(stopped.token_ids) == len(stopped.logprobs) == 1
 
 
+@pytest.mark.usefixtures("restores_weights")
 def test_weight_sync_reload(engine, hf_model, tmp_path):
     sd = {k: v.clone() for k, v in hf_model.state_dict().items()}
     sd["lm_head.weight"] *= 1.5
@@ -110,6 +111,7 @@ def test_weight_sync_reload(engine, hf_model, tmp_path):
     assert max_diff(out.logprobs, hf_logprobs(new_model, PROMPT + out.token_ids)[-len(out.token_ids):]) < 1e-4
 
 
+@pytest.mark.usefixtures("restores_weights")
 def test_pause_keep_labels_each_token_with_the_weights_that_sampled_it(engine, hf_model, tmp_path):
     """engine.pause_mode=keep: a reply in flight during a sync freezes and goes on under the new weights; the engine's
     version spans label each token, and every token's behaviour log-prob is that of the weights its label names."""

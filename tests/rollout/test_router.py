@@ -4,8 +4,10 @@ import asyncio
 
 import pytest
 
-from molt.rollout.engine import EngineClient, EngineDied, free_port
+from molt.net import free_port
+from molt.rollout.engine import EngineClient
 from molt.rollout.router import Router
+from molt.types import EngineDied
 from tests.rollout.conftest import run
 
 PROMPT = [1, 17, 42, 99, 7]

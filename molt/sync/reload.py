@@ -3,7 +3,7 @@
     await sync_weights(clients, actor.export_weights(), version, sync_dir, pause_mode)   # pause, reload, label, resume
     diff = await verify_sync(clients[0], probe_ids, actor_logprobs, tol)                # the engine now agrees
 
-The NCCL path (engine.sync=nccl) is molt/rollout/nccl.py.
+The NCCL path (engine.sync=nccl) is molt/sync/nccl.py.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from molt.rollout.engine import EngineClient
+
 
 def write_checkpoint(state_dict: dict[str, torch.Tensor], out_dir: str | Path) -> Path:
     """HF-named full tensors -> out_dir/model.safetensors (contiguous fp32 on CPU).

@@ -2,11 +2,11 @@
 
 Built on vLLM's documented weight-transfer routes and its shipped trainer-side helper
 (`vllm.distributed.weight_transfer.nccl_engine.NCCLTrainerWeightTransferEngine`, packed buffers). The loop's
-`Fleet` (molt/fleet.py) drives it, through the actor's collective methods:
+`Fleet` (molt/fleet.py) drives it, running these functions on every actor rank (`actor.apply`, a collective):
 
-    actor.connect_engines(clients, bucket_bytes, dtype, address, port)   # once; again after an engine is replaced
-    await sync_nccl(clients, actor.send_weights, version, pause_mode)     # every step: pause, broadcast, label, resume
-    actor.disconnect_engines()                                           # before an engine is replaced
+    actor.apply(connect, clients, bucket_bytes, address, port, dtype)    # once; again after an engine is replaced
+    await sync_nccl(clients, partial(actor.apply, send), version, pause_mode)  # each step: pause, send, label, resume
+    actor.apply(disconnect)                                              # before an engine is replaced
 
 - The group: actor rank 0 is NCCL rank 0; engine i's workers follow at rank offset 1 + the world sizes of the
   engines before it (`GET /get_world_size`); each engine is started with `--weight-transfer-config
@@ -37,7 +37,7 @@ from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 from molt.actor.parallel import full_tensors
 from molt.rollout.engine import EngineClient
-from molt.rollout.reload import paused
+from molt.sync.reload import paused
 
 
 def buckets(sizes: dict[str, int], bucket_bytes: int) -> list[list[str]]:
@@ -142,24 +142,39 @@ class Engines:
                 self._call(c, "POST", "shutdown_weight_transfer_engine")
 
 
-def connect(model, clients: list[EngineClient], bucket_bytes: int, rank: int, address: str, port: int,
-            dtype: str = "bfloat16"):
-    """Every actor rank: the trainer-side transfer engine. Rank 0 asks each engine's world size, then opens NCCL
-    rank 0 while the engines join (vLLM's helper runs both at once); other ranks only take part in the gathers."""
+def connect(actor, clients: list[EngineClient], bucket_bytes: int, address: str, port: int,
+            dtype: str = "bfloat16") -> None:
+    """Every actor rank: join the engines' weight-transfer group as `actor.transfer`. Rank 0 asks each engine's
+    world size, then opens NCCL rank 0 at address:port while the engines join (vLLM's helper runs both at once);
+    other ranks only take part in the gathers."""
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
 
     if not torch.cuda.is_available():
         raise RuntimeError("engine.sync=nccl needs CUDA on the actor and CUDA vLLM engines; use engine.sync=reload")
+    rank = torch.distributed.get_rank() if actor.mesh is not None else 0
     client = Engines(clients) if rank == 0 else None
     info = NCCLTrainerInitInfo(address, port, world_size=client.world_size if client else 0, rank=rank,
                                packed=True, packed_buffer_size_bytes=bucket_bytes)
-    source = Buckets(model, bucket_bytes, getattr(torch, dtype), device=torch.cuda.current_device())
-    return NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
+    source = Buckets(actor.model, bucket_bytes, getattr(torch, dtype), device=torch.cuda.current_device())
+    actor.transfer = NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
+
+
+def send(actor) -> None:
+    """Every actor rank: the current weights to every engine, bucket by bucket."""
+    actor.transfer.send_weights()
+
+
+def disconnect(actor) -> None:
+    """Every actor rank: leave the group (before an engine is replaced: it is formed again with the new one)."""
+    if actor.transfer is not None and actor.transfer.is_sender:
+        actor.transfer.client.shutdown_weight_transfer_engine()
+        actor.transfer.shutdown()
+    actor.transfer = None
 
 
 async def sync_nccl(clients: list[EngineClient], send_weights, version: int, pause_mode: str = "wait") -> float:
-    """One weight sync over NCCL, every engine paused (reload.paused): `send_weights()`, the actor's collective, in
-    a thread (its rank 0 drives the engines' update routes and broadcasts); returns seconds."""
+    """One weight sync over NCCL, every engine paused (reload.paused): `send_weights()`, `send` on every actor rank,
+    in a thread (rank 0 drives the engines' update routes and broadcasts); returns seconds."""
     t0 = time.perf_counter()
     async with paused(clients, version, pause_mode):
         await asyncio.to_thread(send_weights)
