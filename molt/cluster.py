@@ -2,7 +2,7 @@
 
     molt cluster=slurm cluster.partition=gpu experiment=quickstart   # one job: its id, log and how to follow it
     molt -m cluster=slurm estimator=grpo,rloo                        # one array, one MLflow run per element
-    molt cluster=slurm dry_run=true                                  # guard rails, then the sbatch script (no Slurm needed)
+    molt cluster=slurm dry_run=true                                  # guard rails, each job's plan, the sbatch script (no Slurm needed)
 
 Submission is Hydra's submitit launcher (hydra_plugins/molt_slurm) with `launch` below: every job's config is
 composed and checked on the login node, the resources come from `cluster.*` alone, and jobs are followed with
@@ -134,8 +134,9 @@ def slurm_params(cfg) -> dict:
     return {k: v for k, v in p.items() if v is not None}
 
 
-def check_job(launcher, overrides: list[str], num: int) -> None:
-    """Compose one job's config as its node will, and run the guard rails on it here (exit 2 on a failure)."""
+def check_job(launcher, overrides: list[str], num: int) -> str:
+    """Compose one job's config as its node will, and run the guard rails on it here (exit 2 on a failure); with
+    dry_run=true, the job's plan."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf, open_dict
 
@@ -148,6 +149,11 @@ def check_job(launcher, overrides: list[str], num: int) -> None:
     OmegaConf.set_readonly(job, False)
     try:
         guards.validate(job)
+        if job.dry_run:
+            from molt.actor.planner import run_plan  # torch + transformers: only for a dry run
+
+            return f"molt dry run: job {num} ({' '.join(overrides) or job.name})\n{run_plan(job)}"
+        return ""
     finally:
         HydraConfig.instance().set_config(launcher.config)
 
@@ -172,13 +178,13 @@ def launch(launcher, job_overrides, initial_job_idx: int):
 
     cfg = launcher.config
     nums = [initial_job_idx + i for i in range(len(job_overrides))]
-    for overrides, num in zip(job_overrides, nums):
-        check_job(launcher, list(overrides), num)
+    plans = [check_job(launcher, list(overrides), num) for overrides, num in zip(job_overrides, nums)]
     folder = Path(launcher.params["submitit_folder"]).expanduser().absolute()  # as submitit's Executor keeps it
     python = cfg.cluster.python or shlex.quote(sys.executable)  # SlurmExecutor's default, passed to it as well
     params = slurm_params(cfg)
     done = [JobReturn(overrides=list(o), status=JobStatus.COMPLETED) for o in job_overrides]
     if cfg.dry_run:
+        print(*plans, sep="\n")
         print(f"molt dry run: {len(done)} Slurm job(s) pass the guard rails; sbatch script (nothing submitted):")
         print(sbatch_script(folder, python, params, len(done)))
         return done

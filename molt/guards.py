@@ -294,6 +294,15 @@ def batch_fits_inflight(cfg, hf):
                 f"{cfg.rollout.max_inflight_groups}: a step could never fill; raise max_inflight_groups")
 
 
+def resume_finds_checkpoint(cfg, hf):
+    """Here, not in the loop's restore: before Ray and the engines start, which takes a minute."""
+    from molt import checkpoint
+
+    if cfg.resume and checkpoint.latest(cfg.checkpoint_dir) is None:
+        return (f"resume=true but checkpoint_dir={cfg.checkpoint_dir} holds no complete checkpoint (a step_* directory "
+                "with state.json): set checkpoint_dir to the one of the run to continue, or drop resume=true")
+
+
 def ranks_fit_cluster(cfg, hf):
     c, world = cfg.cluster, derived(cfg)["world_size"]
     if c.gpus_per_node > 0 and world > c.num_nodes * c.gpus_per_node:
@@ -360,7 +369,8 @@ GUARDS = [fsdp_sizes, fsdp_offload, slurm_resources, container_image, ranks_fit_
           estimator_fits, loss_known, sequences_on_one_rank, kl_coef,
           is_correction_names, is_correction_band, is_correction_seq_mode, filter_needs_group, max_lag, temperature,
           replay_needs_experts, replay_needs_routes, routes_need_gpu, sync_path, engines, context_fits, agent_mode,
-          agent_module, task_files, task_renders, batch_fits_inflight, cp_full_attention, cp_with_images]
+          agent_module, task_files, task_renders, batch_fits_inflight, cp_full_attention, cp_with_images,
+          resume_finds_checkpoint]
 
 
 def check(cfg: Any) -> None:

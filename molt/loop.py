@@ -16,7 +16,6 @@ import logging
 import os
 import secrets
 import signal
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -31,7 +30,7 @@ from omegaconf import OmegaConf
 from ray.util.queue import Queue
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from molt import checkpoint, cluster, guards, net, tracking
+from molt import checkpoint, cluster, guards, net, reaper, tracking
 from molt.actor.group import run_actor
 from molt.agents.pool import RolloutWorker
 from molt.algo.advantages import ESTIMATORS, compute_advantages, helper_targets, token_tables, untable
@@ -52,9 +51,10 @@ def run(cfg) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine request otherwise
     with contextlib.ExitStack() as stack:
         stack.enter_context(logging_redirect_tqdm())  # log lines print above the progress bar, not into it
-        stack.enter_context(ray_session(cfg))
+        tmp = stack.enter_context(reaper.private_tmp())  # the run's temporary files, Ray's and the engines'
+        stack.enter_context(ray_session(tmp))
         engines = stack.enter_context(launch_engines(cfg.engine, model_dir, Path(cfg.output_dir) / "engines",
-                                                     cfg.cluster.engine_tasks, cfg.cluster.gpus_per_node > 0))
+                                                     cfg.cluster.engine_tasks, cfg.cluster.gpus_per_node > 0, tmp))
         stack.enter_context(tracking.mlflow_run(cfg, derived(cfg), resume_run=cluster.requeued()))  # with the reaper (molt/reaper.py)
         train(cfg, model_dir, engines, stack.enter_context(stop_on_interrupt()))
 
@@ -162,10 +162,11 @@ def make_actor(cfg, model_dir: Path):
 
 
 @contextlib.contextmanager
-def ray_session(cfg):
+def ray_session(tmp: str):
     """A local Ray instance of our own, reachable only by this user: token auth with a per-run token (in the
     environment of its processes, never written to disk), every listener on loopback, and its session directory
-    (sockets, logs) inside a 0700 directory. A Slurm launcher connects to its cluster instead."""
+    (sockets, logs) inside `tmp`, a 0700 directory (molt/reaper.py private_tmp). A Slurm launcher connects to its
+    cluster instead."""
     started, on_sigterm = not ray.is_initialized(), signal.getsignal(signal.SIGTERM)
     if started and os.environ.get("MOLT_RAY_ADDRESS"):  # the job's Ray cluster on Slurm (molt.cluster.allocation)
         ray.init(address=os.environ["MOLT_RAY_ADDRESS"], log_to_driver=True)
@@ -179,10 +180,9 @@ def ray_session(cfg):
         ray_constants.ENABLE_RAY_CLUSTER = False
         # Ray opens its temp dir to everyone (0777) as it starts, and again as later processes start: so it lives
         # inside a 0700 directory of ours, which Ray never touches
-        tmp = os.path.join(tempfile.mkdtemp(prefix="molt-ray-"), "ray")
         # address="local": always a fresh instance of our own; never attach to another Ray cluster on the host
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 2), include_dashboard=False,
-                 log_to_driver=True, _temp_dir=tmp)
+                 log_to_driver=True, _temp_dir=os.path.join(tmp, "ray"))
     signal.signal(signal.SIGTERM, on_sigterm)  # ray.init's crash handler takes SIGTERM and aborts the driver
     try:
         yield

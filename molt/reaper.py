@@ -7,15 +7,25 @@ the job at once). Once a second it notes the driver's process tree; once the dri
 process that tree held and that still runs (Ray's GCS, raylet, workers, dashboard and runtime-env agents, a vLLM
 server waiting on its requests), and if the driver died without saying goodbye (SIGKILL, OOM, scancel) it marks
 the MLflow run KILLED. After a clean exit there is nothing left to stop: the driver stopped what it started.
+
+Files too: a run keeps its temporary files (Ray's session, the engines' sockets, vLLM's IPC sockets and FileStore)
+in one private directory (`private_tmp`), which `sweep` removes once no live process holds its lock; the reaper
+sweeps after stopping the processes, and so does every later run as it starts. What the stopped processes left in
+/dev/shm (vLLM's shared-memory rings and caches, when a SIGKILL cut their cleanup short) goes too.
 """
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import glob
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import psutil
 
@@ -32,6 +42,54 @@ def watching(mlflow_uri: str, run_id: str):
         # the run ended as the driver meant it to: leave its MLflow run alone. The write end stays open until the
         # driver exits; closed here, the reaper would stop Ray and the engines while the driver still shuts them down
         os.write(write, b"bye")
+
+
+@contextlib.contextmanager
+def private_tmp():
+    """A new 0700 directory (molt-run-*), removed on exit and locked while this process lives: after a SIGKILL,
+    `sweep` removes it."""
+    sweep()
+    staging = tempfile.mkdtemp(prefix=".molt-run-")  # renamed once locked: a sweep never sees it unlocked
+    lock = os.open(staging, os.O_RDONLY)  # not inherited (O_CLOEXEC): the engines and Ray never hold it
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    root = os.path.join(os.path.dirname(staging), os.path.basename(staging)[1:])
+    os.rename(staging, root)
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        os.close(lock)
+
+
+def sweep() -> None:
+    """Remove the private directories of runs that are gone: those whose lock no process holds."""
+    for d in glob.glob(os.path.join(tempfile.gettempdir(), "molt-run-*")):
+        with contextlib.suppress(OSError):
+            fd = os.open(d, os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # OSError while its run lives
+                shutil.rmtree(d, ignore_errors=True)
+            finally:
+                os.close(fd)
+
+
+def shared_memory(pids) -> set[str]:
+    """The POSIX shared-memory segments (Python's /dev/shm/psm_*: vLLM's message queues and caches) these
+    processes map, read from /proc: a process that dies by SIGKILL leaves its segments behind."""
+    found = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                path = line.split(maxsplit=5)[5:]  # address, perms, offset, device, inode, path
+                if path and path[0].startswith("/dev/shm/psm_") and not path[0].endswith(" (deleted)"):
+                    found.add(path[0])
+    return found
+
+
+def unlink(paths) -> None:
+    """Remove shared-memory segments whose processes are gone (mappings still alive keep their memory)."""
+    for p in paths:
+        Path(p).unlink(missing_ok=True)
 
 
 def _follow(driver: int) -> tuple[bool, list[psutil.Process]]:
@@ -58,12 +116,15 @@ def main(driver: int, mlflow_uri: str, run_id: str) -> None:
         os._exit(0)  # linuxproc after KillWait) kills the driver and its children, not this
     goodbye, held = _follow(driver)
     orphans = [p for p in held if p.is_running()]  # is_running also checks the start time: no reused pid
+    segments = shared_memory(p.pid for p in orphans)
     for p in orphans:
         with contextlib.suppress(psutil.Error):
             p.terminate()
     for p in psutil.wait_procs(orphans, timeout=3)[1]:
         with contextlib.suppress(psutil.Error):
             p.kill()
+    unlink(segments)
+    sweep()  # the driver's private directory, now that nothing of the run uses it
     if mlflow_uri and not goodbye:
         import mlflow
 

@@ -29,6 +29,8 @@ def test_slurm_dry_run_needs_no_slurm(tmp_path, monkeypatch, capsys):
     main()
     out = capsys.readouterr().out
     assert "molt dry run: 2 Slurm job(s) pass the guard rails" in out, out
+    for est in ("grpo", "rloo"):  # each job's plan, composed as its node will
+        assert f"estimator     {est}\n" in out and "layout        dp 1 x ep 1 x cp 1 = world size 1" in out, out
     folder = sweep / ".submitit" / "%j"
     for line in ["#SBATCH --partition=debug", "#SBATCH --array=0-1%2", "#SBATCH --cpus-per-task=2", "#SBATCH --time=30",
                  "#SBATCH --mem=16GB", "#SBATCH --mail-type=END", "#SBATCH --job-name=quickstart",

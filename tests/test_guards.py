@@ -7,7 +7,7 @@ import pytest
 
 from molt import guards
 from molt.assets import RECIPES, ModelFacts, build_tokenizer, ensure_model, hf_config, model_facts, tiny_config
-from molt.cli import describe_model
+from molt.actor.planner import describe_model
 from molt.config import REPO
 from tests.actor.test_planner import MIXTRAL
 from tests.test_config import compose
@@ -30,6 +30,9 @@ def base(tmp_path_factory) -> list[str]:
     (tmp / "mixtral" / "config.json").write_text(json.dumps(MIXTRAL))
     (tmp / "sliding").mkdir()  # a model with sliding-window attention, which context parallelism refuses
     (tmp / "sliding" / "config.json").write_text(json.dumps(dict(tiny_config(), use_sliding_window=True)))
+    (tmp / "ckpt" / "step_0000002").mkdir(parents=True)  # a complete checkpoint for resume=true (and a partial one)
+    (tmp / "ckpt" / "step_0000002" / "state.json").write_text("{}")
+    (tmp / "partial" / "step_0000004").mkdir(parents=True)
     for name, vocab in (("tok_student", 512), ("tok_other", 300)):  # model dirs with tokenizers, no weights
         build_tokenizer(tmp / name, vocab_size=vocab)
         (tmp / name / "config.json").write_text(json.dumps(tiny_config()))
@@ -109,6 +112,8 @@ CASES = [
     ("cp_full_attention", ["fsdp.cp_size=2", "model.build=",
                            "model.path=${assets_dir}/sliding"], "sliding-window attention"),
     ("cp_with_images", ["fsdp.cp_size=2", "model=tiny_vl"], "vision-language model"),
+    ("resume_finds_checkpoint", ["resume=true", "checkpoint_dir=${assets_dir}/partial"],
+     "resume=true but checkpoint_dir="),
 ]
 
 
@@ -132,7 +137,8 @@ def test_guard_fires(base, name, overrides, fragment):
                                        ["is_correction.level=geo", "is_correction.low=0.99", "is_correction.high=1.01",
                                         "filter.enabled=true", "train.kl_coef=0.01", "estimator=rloo"],
                                        ["loss=gspo"], ["loss=cispo", "is_correction.level=token"],
-                                       ["model.build=", "model.path=${assets_dir}/mixtral", "fsdp.ep_size=2"]])
+                                       ["model.build=", "model.path=${assets_dir}/mixtral", "fsdp.ep_size=2"],
+                                       ["resume=true", "checkpoint_dir=${assets_dir}/ckpt"]])
 def test_valid_runs_pass(base, overrides):
     assert guards.check(compose(*base, *overrides)) is None
 

@@ -5,10 +5,12 @@ import ipaddress
 import json
 import os
 import re
+import shutil
 import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,8 +25,8 @@ SMALL = ["experiment=quickstart", "rollout.n=4", "train.groups_per_step=4", "rol
          "agent.module=tests.fixtures.flaky_task"]
 
 
-def molt(*overrides, **kw):
-    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
+def molt(*overrides, tmpdir: str | None = None, **kw):
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", TMPDIR=tmpdir or tempfile.gettempdir())
     return subprocess.run([sys.executable, "-m", "molt", *overrides], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=600, **kw)
 
@@ -37,13 +39,27 @@ def history(run_dir: Path):
 
 
 @pytest.fixture(scope="module")
-def first_run(tmp_path_factory):
+def run_tmp():
+    """A private TMPDIR for the runs of this module, short: Ray's socket paths inside it must fit in 107 bytes."""
+    d = tempfile.mkdtemp(prefix="t")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def leftovers(tmpdir: str) -> list[str]:
+    """What runs left in their TMPDIR, besides torch's compile cache (meant to outlive a run)."""
+    return sorted(n for n in os.listdir(tmpdir) if not n.startswith("torchinductor_"))
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory, run_tmp):
     tmp = tmp_path_factory.mktemp("loop")
     out = molt(*SMALL, "train.steps=3", "rollout.max_lag=0", "train.save_every=1", "eval.every=2",
                "eval.max_samples=8", "train.log_every=2", f"train.dump_rollouts={tmp / 'dump'}",
-               f"hydra.run.dir={tmp / 'run1'}", f"checkpoint_dir={tmp / 'ckpt'}")
+               f"hydra.run.dir={tmp / 'run1'}", f"checkpoint_dir={tmp / 'ckpt'}", tmpdir=run_tmp)
     assert out.returncode == 0, out.stderr[-3000:]
     (tmp / "terminal.txt").write_text(out.stdout + out.stderr)
+    (tmp / "leftovers.json").write_text(json.dumps(leftovers(run_tmp)))
     return tmp
 
 
@@ -59,6 +75,8 @@ def test_run_log_tells_the_story_and_a_clean_run_prints_no_fault(first_run):
     said = (first_run / "terminal.txt").read_text()
     for fault in ["Traceback", "Warning: ", "(raylet)", "Task was destroyed but it is pending"]:
         assert fault not in said, said[-3000:]
+    # issue 23 item 4: nothing in TMPDIR (Ray's session, the engine's sockets, vLLM's ZMQ sockets and FileStore)
+    assert json.loads((first_run / "leftovers.json").read_text()) == []
 
 
 def test_run_records_mlflow_metrics(first_run):
@@ -107,9 +125,9 @@ def assert_private(driver: int, family: list) -> None:
     assert sessions and all(stat.S_IMODE(os.stat(d).st_mode) == 0o700 for d in private), sessions
 
 
-def start(tmp_path, *overrides) -> subprocess.Popen:
+def start(tmp_path, *overrides, tmpdir: str | None = None) -> subprocess.Popen:
     """A `molt` run in the background, in its own session (as a terminal would run it); its output to run.err."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", TMPDIR=tmpdir or tempfile.gettempdir())
     return subprocess.Popen([sys.executable, "-m", "molt", *SMALL, *overrides], cwd=REPO, env=env,
                             stdout=open(tmp_path / "run.err", "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -226,16 +244,18 @@ def last_per_step(hist, key) -> dict[int, float]:
     return {m.step: m.value for m in sorted(hist(key), key=lambda m: m.timestamp)}
 
 
-def test_killed_and_interrupted_runs_resume_exactly(tmp_path):
+def test_killed_and_interrupted_runs_resume_exactly(tmp_path, run_tmp):
     """Issue 11, exact resume: seeded sampling (rollout.seed) and max_lag=0 make generation deterministic, so a run
     that is SIGKILLed, resumed, interrupted with Ctrl-C and resumed again trains the same steps as one that ran
-    straight through: the same rewards, token counts and versions, losses within float noise, one MLflow run."""
-    out = molt(*SMALL, *EXACT, f"hydra.run.dir={tmp_path / 'straight'}", f"checkpoint_dir={tmp_path / 'ck1'}")
+    straight through: the same rewards, token counts and versions, losses within float noise, one MLflow run. None
+    of them leaves anything in TMPDIR (issue 23 item 4): the reaper removes what the killed one left."""
+    out = molt(*SMALL, *EXACT, f"hydra.run.dir={tmp_path / 'straight'}", f"checkpoint_dir={tmp_path / 'ck1'}",
+               tmpdir=run_tmp)
     assert out.returncode == 0, out.stderr[-3000:]
     ckpt = tmp_path / "ck2"
     args = [*EXACT, f"hydra.run.dir={tmp_path / 'run'}", f"checkpoint_dir={ckpt}"]
 
-    proc = start(tmp_path, *args)  # 1. kill -9 the driver after step 2's checkpoint
+    proc = start(tmp_path, *args, tmpdir=run_tmp)  # 1. kill -9 the driver after step 2's checkpoint
     wait_for_checkpoint(proc, ckpt, 2)
     family = psutil.Process(proc.pid).children(recursive=True)
     proc.kill()
@@ -249,8 +269,9 @@ def test_killed_and_interrupted_runs_resume_exactly(tmp_path):
     assert not [p.cmdline()[:3] for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], \
         "the reaper stops what a SIGKILLed driver left"
     assert history(tmp_path / "run")[1].info.status == "KILLED", "and marks its MLflow run KILLED"
+    assert leftovers(run_tmp) == [], "and removes its temporary files"
 
-    proc = start(tmp_path, *args, "resume=true")  # 2. resume; Ctrl-C (the terminal's SIGINT to the group)
+    proc = start(tmp_path, *args, "resume=true", tmpdir=run_tmp)  # 2. resume; Ctrl-C (the terminal's SIGINT)
     wait_for_checkpoint(proc, ckpt, 4)
     os.killpg(proc.pid, signal.SIGINT)
     proc.wait(timeout=120)
@@ -263,8 +284,9 @@ def test_killed_and_interrupted_runs_resume_exactly(tmp_path):
     assert 4 <= step < 24 and checkpoint.latest(str(ckpt)).name == f"step_{step:07d}"
     assert history(tmp_path / "run")[1].info.status == "KILLED"
 
-    proc = start(tmp_path, *args, "resume=true")  # 3. resume to the end
+    proc = start(tmp_path, *args, "resume=true", tmpdir=run_tmp)  # 3. resume to the end
     assert proc.wait(timeout=600) == 0, (tmp_path / "run.err").read_text()[-3000:]
+    assert leftovers(run_tmp) == []
 
     (c1, r1, _), (c2, r2, _) = history(tmp_path / "straight"), history(tmp_path / "run")
     assert r2.info.status == "FINISHED" and len(c2.search_runs([r2.info.experiment_id])) == 1, "one MLflow run"

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from molt.assets import model_facts
+from molt.assets import hf_config, model_facts
 from molt.config import FsdpConfig, derived
 
 GIB = 2**30
@@ -220,3 +220,38 @@ def dry_run_text(cfg) -> str:
         return (f"memory        not planned: {cfg.model.path} has no config.json yet "
                 "(the recipe builds it at the first run)")
     return format_plan(plan_memory(cfg), cfg)
+
+
+def describe_model(cfg, hf: dict) -> str:
+    f = model_facts(hf)
+    kind = f"MoE {f.experts} experts, top-{f.top_k}" if f.experts else "dense"
+    return (f"{cfg.model.name}: {hf.get('architectures', ['?'])[0]}, {hf['num_hidden_layers']} layers, hidden "
+            f"{hf['hidden_size']}, head_dim {f.head_dim}, {kind} (exact parameter count: the memory plan below)")
+
+
+def run_plan(cfg) -> str:
+    """What a run would start, in a few lines, and its memory plan (`molt dry_run=true`, the run log)."""
+    from molt.rollout.engine import server_cmd  # the launcher's own command line, not a copy
+
+    f, r, t, e = cfg.fsdp, cfg.rollout, cfg.train, cfg.engine
+    d = derived(cfg)
+    device = f"{cfg.cluster.gpus_per_node} GPUs/node" if cfg.cluster.gpus_per_node else "cpu"
+    env = "" if cfg.cluster.gpus_per_node else f"VLLM_CPU_KVCACHE_SPACE={e.kv_cache_gb} "
+    source = f"built by recipe {cfg.model.build!r} if missing" if cfg.model.build else "existing directory"
+    lines = ["processes",
+             "  driver      this process: the loop, advantages, weight sync, MLflow",
+             *(f"  engine {i}    {env}python -m vllm.entrypoints.openai.api_server "
+               + " ".join(server_cmd(e, cfg.model.path, e.base_port + i if e.base_port else "<free>",
+                                     f"<0700 dir>/engine{i}.sock" if e.uds else "")[3:])
+               for i in range(e.num_engines)),
+             f"  rollout     agent.mode={cfg.agent.mode} ({cfg.agent.module}), up to {r.max_inflight_groups} groups in flight",
+             f"  actor       {d['world_size']} rank(s) on {device} x {cfg.cluster.num_nodes} node(s)",
+             f"layout        dp {f.dp_size} x ep {f.ep_size} x cp {f.cp_size} = world size {d['world_size']}, "
+             f"offload {f.offload}",
+             f"model         {describe_model(cfg, hf_config(cfg.model))}",
+             f"              {cfg.model.path} ({source})",
+             f"estimator     {cfg.estimator.name}",
+             f"batch         {t.groups_per_step} groups x {r.n} samples = {d['samples_per_step']} rollouts/step, "
+             f"max_lag {r.max_lag}, temperature {r.temperature}",
+             f"steps         {t.steps}, lr {t.lr}, eval every {cfg.eval.every or 'never'}, weight sync {e.sync}"]
+    return "\n".join(lines + [dry_run_text(cfg)])

@@ -19,6 +19,10 @@ from molt.agents.env import run_env_rollout
 from molt.types import EngineDied, Group, Rollout, RolloutFailed
 
 log = logging.getLogger(__name__)
+# times a rollout whose engine failed (EngineDied) starts again before it fails: engine deaths are bounded by
+# engine.max_restarts, but an engine that answers one request with a 5xx every time (a render that always fails on
+# this sample's images) would otherwise loop the rollout forever
+RESTARTS = 3
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,8 @@ async def run_group(mode: str, generate, tokenizer, agent: Callable, sample: dic
                     sampling: dict, release: Callable[[str], None] | None = None, retry: bool = False) -> Group:
     """n rollouts of one sample, concurrently; rollout ids are f"{group_id}/{i}". With `retry` (engines are replaced
     when they die: molt/fleet.py), a rollout whose engine died starts again from scratch: its partial trajectory is
-    discarded and info["retried"] counts the restarts; otherwise EngineDied propagates."""
+    discarded and info["retried"] counts the restarts, at most RESTARTS, after which it fails; otherwise
+    EngineDied propagates."""
     run = MODES[mode].run_rollout
 
     async def one(i: int):
@@ -60,9 +65,12 @@ async def run_group(mode: str, generate, tokenizer, agent: Callable, sample: dic
             except EngineDied as e:
                 if not retry:
                     raise
-                attempt += 1
-                log.info("rollout %s/%d: %s; starting it again", group_id, i, e)
-                continue
+                if attempt < RESTARTS:
+                    attempt += 1
+                    log.info("rollout %s/%d: %s; starting it again", group_id, i, e)
+                    continue
+                ro = _failed(RolloutFailed(Rollout(f"{group_id}/{i}", group_id),
+                                           f"its engine failed it {RESTARTS + 1} times, the last: {e}"))
             ro.info["retried"] = float(attempt)
             return _checked(ro)
 

@@ -115,14 +115,15 @@ def cut_at_stop(tokenizer, ids: list[int], stops: list[str]) -> tuple[int, str, 
     string is searched for once (thousands may come: Anthropic's stop_sequences)."""
     decode = lambda n: tokenizer.decode(ids[:n], skip_special_tokens=True)  # noqa: E731  the first n ids as text
     text = decode(len(ids))
-    hits = [(at + len(s), at, s) for s in stops if (at := text.find(s)) >= 0]
+    hits = [s for s in stops if s in text]
     if not hits:
         return len(ids), text, None
-    stop = min(hits)[2]  # the one completed first (of those, the one starting first)
-    # "the text holds the stop string" is monotone in the prefix length: bisect
-    keep = 1 + bisect.bisect_left(range(1, len(ids)), True, key=lambda n: stop in decode(n))
+    first = min(hits, key=lambda s: text.index(s) + len(s))  # the one completed first decides where the cut falls
+    # "the text holds it" is monotone in the prefix length: bisect
+    keep = 1 + bisect.bisect_left(range(1, len(ids)), True, key=lambda n: first in decode(n))
     text = decode(keep)
-    return keep, text[:text.index(stop)], stop
+    at, stop = min((text.index(s), s) for s in hits if s in text)
+    return keep, text[:at], stop
 
 
 def _spliced(s: Session, convo: list[dict]) -> dict[int, list[int]]:

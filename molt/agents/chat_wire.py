@@ -139,14 +139,13 @@ def parse_request(schema: type[BaseModel], body: bytes) -> Any:
 
 # ---- requests -> canonical conversation ----
 
-# An option the policy cannot honour is refused (400, naming it), never ignored. These would change the distribution
-# a reply is sampled from, which must be the one the trainer recomputes: rollout.temperature/top_p/top_k as they are
-# (ARCHITECTURE.md §1).
-_SAMPLED = "it would change the distribution the reply is sampled from, which training fixes (rollout.*)"
+# Options the policy cannot honour are refused (a 400 naming them), never ignored. Most would change the distribution
+# a reply is sampled from, which must stay the one the trainer recomputes (ARCHITECTURE.md §1).
+_SAMPLED = "it would change the distribution the reply is sampled from, which the run fixes (rollout.*)"
 
 
 def _refuse(options: dict[str, Any]) -> None:
-    """Raise for the first option whose value is true: the option is set to what this server cannot do."""
+    """A WireError for the first option given a reason (a false value: the request's setting is served)."""
     for name, why in options.items():
         if why:
             raise WireError(f"{name}: not supported: {why}")

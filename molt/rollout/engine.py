@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import ctypes
+import getpass
 import io
 import json
 import os
@@ -35,6 +36,7 @@ import httpx
 
 from molt.config import EngineConfig
 from molt.net import free_port, on_task
+from molt.reaper import private_tmp, shared_memory, unlink
 from molt.rollout import routes
 from molt.types import Completion, EngineDied, Image
 
@@ -115,10 +117,12 @@ def _log_tail(path: Path, n: int = 20) -> str:
 class EngineServer:
     """One vLLM server subprocess, in its own session (process group = its pid).
 
-    Reachable only by this user: with engine.uds it listens on a Unix socket in a 0700 directory (`sock_dir`),
+    Reachable only by this user: with engine.uds it listens on a Unix socket in a 0700 directory (`tmp`),
     because vLLM's API key guards only /v1, /v2, /inference and /cohere, not the dev routes (/pause,
     /collective_rpc, /update_weight_version, /server_info); the key (`api_key`, per run, passed in the
-    environment, never on the command line) guards generation on TCP too.
+    environment, never on the command line) guards generation on TCP too. Its TMPDIR is <tmp>/<name>, so vLLM's
+    ZMQ sockets and FileStore sit there too, not in the shared /tmp; `stop` removes them, and the shared memory
+    the server's processes mapped (which a SIGKILL leaves behind).
     """
 
     name: str
@@ -127,12 +131,14 @@ class EngineServer:
     log_dir: str
     port: int = 0
     api_key: str = field(default="", repr=False)
-    sock_dir: str = ""  # engine.uds: the 0700 directory of the socket
+    tmp: str = ""  # a 0700 directory of the run (molt/reaper.py private_tmp)
+    uds: bool = True  # on the Unix socket <tmp>/<name>.sock (engine.uds), else TCP on 127.0.0.1:port
     proc: subprocess.Popen | None = field(default=None, repr=False)
+    shm: set[str] = field(default_factory=set, repr=False)  # shared-memory segments its processes mapped
 
     @property
     def url(self) -> str:
-        return f"unix:{self.sock_dir}/{self.name}.sock" if self.sock_dir else f"http://127.0.0.1:{self.port}"
+        return f"unix:{self.tmp}/{self.name}.sock" if self.uds else f"http://127.0.0.1:{self.port}"
 
     def client(self, timeout_s: float | None = None) -> EngineClient:
         return EngineClient(self.name, self.url, timeout_s or self.cfg.request_timeout_s, self.api_key)
@@ -146,13 +152,19 @@ class EngineServer:
                     VLLM_API_KEY=self.api_key,
                     HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=str(self.cfg.kv_cache_gb),
                     VLLM_CPU_OMP_THREADS_BIND=self.cfg.cpu_threads_bind, VLLM_HTTP_TIMEOUT_KEEP_ALIVE="60",
-                    VLLM_CACHE_ROOT=str(Path(self.log_dir) / f"{self.name}.cache"))
+                    VLLM_CACHE_ROOT=str(Path(self.log_dir) / f"{self.name}.cache"),
+                    TMPDIR=f"{self.tmp}/{self.name}",  # vLLM's tempfile.gettempdir(): ZMQ IPC sockets, FileStore
+                    # torch's compile cache stays where it was (gettempdir() of this process), shared between runs
+                    TORCHINDUCTOR_CACHE_DIR=os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+                    or os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
 
     def start(self) -> None:
         assert self.proc is None, f"engine {self.name} already started"
-        self.port = self.port or (0 if self.sock_dir else free_port())
+        assert self.tmp, f"engine {self.name}: no private directory (launch_engines makes one)"
+        self.port = self.port or (0 if self.uds else free_port())
         Path(self.log_dir).mkdir(parents=True, exist_ok=True)
-        uds = self.url.removeprefix("unix:") if self.sock_dir else ""
+        os.makedirs(f"{self.tmp}/{self.name}", mode=0o700, exist_ok=True)
+        uds = self.url.removeprefix("unix:") if self.uds else ""
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(server_cmd(self.cfg, self.model_dir, self.port, uds), stdin=subprocess.DEVNULL,
                                          stdout=log, stderr=subprocess.STDOUT, env=self.env(),
@@ -174,6 +186,7 @@ class EngineServer:
                 base, uds = _endpoint(self.url)
                 with httpx.Client(transport=httpx.HTTPTransport(uds=uds), timeout=5, trust_env=False) as http:
                     if http.get(base + "/health").status_code == 200:
+                        self.shm = shared_memory(group_pids(self.proc.pid))  # made as it started
                         return
             time.sleep(0.5)
         raise TimeoutError(f"engine {self.name} not healthy after {timeout:.0f} s (raise engine.startup_timeout_s "
@@ -184,16 +197,16 @@ class EngineServer:
         port, from the model directory (version 0 weights: the caller syncs it); wait until it is healthy."""
         self.stop(grace_s=5.0)
         self.proc = None
-        if self.sock_dir:  # a killed server leaves its socket file behind, and binding to it fails
-            Path(self.url.removeprefix("unix:")).unlink(missing_ok=True)
         self.start()
         self.wait_healthy(self.cfg.startup_timeout_s)
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM the whole group, SIGKILL what is left after `grace_s`; vLLM's children go too."""
+        """SIGTERM the whole group, SIGKILL what is left after `grace_s`; vLLM's children go too, and then its files
+        (a killed server leaves its socket behind, on which it could not start again) and shared memory."""
         if self.proc is None:
             return
         pgid = self.proc.pid
+        self.shm |= shared_memory(group_pids(pgid))
         # SIGTERM; then SIGKILL the stragglers (an EngineCore orphaned by a crashed API server); each time wait until
         # the group is gone: a killed process takes a moment to exit, longer on a loaded machine
         for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
@@ -202,6 +215,10 @@ class EngineServer:
             while group_pids(pgid) and time.monotonic() < deadline:
                 time.sleep(0.1)
         self.proc.wait()
+        unlink(self.shm)
+        if self.uds:
+            Path(self.url.removeprefix("unix:")).unlink(missing_ok=True)
+        shutil.rmtree(f"{self.tmp}/{self.name}", ignore_errors=True)
 
 
 class EngineHost:
@@ -210,8 +227,9 @@ class EngineHost:
     token-authenticated connections and nothing of the engine, its dev routes included, listens on the network."""
 
     def __init__(self, name: str, cfg: EngineConfig, model_dir: str, log_dir: str, api_key: str):
+        self.tmp = contextlib.ExitStack()  # a private directory on its node, locked while this actor lives
         self.server = EngineServer(name, cfg, model_dir, log_dir, api_key=api_key,
-                                   sock_dir=tempfile.mkdtemp(prefix="molt-engines-"))
+                                   tmp=self.tmp.enter_context(private_tmp()))
         self.server.start()  # Ray runs an actor's methods on one long-lived thread: the parent-death signal holds
         self.server.wait_healthy(cfg.startup_timeout_s)
         self.client = self.server.client()
@@ -234,7 +252,7 @@ class EngineHost:
 
     def stop(self) -> None:
         self.server.stop()
-        shutil.rmtree(self.server.sock_dir, ignore_errors=True)
+        self.tmp.close()
 
 
 @dataclass
@@ -284,34 +302,34 @@ class RemoteEngine:
 
 @contextlib.contextmanager
 def launch_engines(cfg: EngineConfig, model_dir: str | Path, log_dir: str | Path, tasks: list[int] = (),
-                   gpus: bool = False) -> Iterator[list]:
+                   gpus: bool = False, tmp: str = "") -> Iterator[list]:
     """Start cfg.num_engines servers concurrently, wait until all are healthy, always stop them. `tasks`: the Slurm
     task of each engine (cluster.engine_tasks); an engine on a task other than 0 (the loop's) runs there in an
     EngineHost (Ray must be up), with tensor_parallel_size x data_parallel_size GPUs when `gpus`; the others are
-    processes of this one."""
+    processes of this one, with their files in `tmp` (the run's 0700 directory; by default one of their own)."""
     assert cfg.num_engines >= 1, f"engine.num_engines={cfg.num_engines}: need at least one engine"
     tasks = list(tasks) or [0] * cfg.num_engines
     ports = [cfg.base_port + i if cfg.base_port else 0 for i in range(cfg.num_engines)]
-    key, sock_dir = secrets.token_hex(16), tempfile.mkdtemp(prefix="molt-engines-") if cfg.uds else ""  # 0700
-    servers = [EngineServer(f"engine{i}", cfg, str(model_dir), str(log_dir), port=p, api_key=key, sock_dir=sock_dir)
-               if t == 0 else _remote(f"engine{i}", cfg, str(model_dir), str(log_dir), key, t, gpus)
-               for i, (p, t) in enumerate(zip(ports, tasks))]
-    try:
-        for s in servers:
-            if isinstance(s, EngineServer):
-                s.start()  # in this thread: the parent-death signal is tied to the forking thread
-        deadline = time.monotonic() + cfg.startup_timeout_s
-        for s in servers:
-            if isinstance(s, EngineServer):
-                s.wait_healthy(max(deadline - time.monotonic(), 1.0))
-            else:  # its host waits until the server is healthy; then, where it really runs
-                print(f"molt: {s.name} on Slurm task {s._get('slurm_task')}, reached through Ray", flush=True)
-        yield servers
-    finally:
-        with ThreadPoolExecutor(len(servers)) as pool:
-            list(pool.map(lambda s: s.stop(), servers))
-        if sock_dir:
-            shutil.rmtree(sock_dir, ignore_errors=True)
+    key = secrets.token_hex(16)
+    with contextlib.nullcontext(tmp) if tmp else private_tmp() as tmp:
+        servers = [EngineServer(f"engine{i}", cfg, str(model_dir), str(log_dir), port=p, api_key=key, tmp=tmp,
+                                uds=cfg.uds)
+                   if t == 0 else _remote(f"engine{i}", cfg, str(model_dir), str(log_dir), key, t, gpus)
+                   for i, (p, t) in enumerate(zip(ports, tasks))]
+        try:
+            for s in servers:
+                if isinstance(s, EngineServer):
+                    s.start()  # in this thread: the parent-death signal is tied to the forking thread
+            deadline = time.monotonic() + cfg.startup_timeout_s
+            for s in servers:
+                if isinstance(s, EngineServer):
+                    s.wait_healthy(max(deadline - time.monotonic(), 1.0))
+                else:  # its host waits until the server is healthy; then, where it really runs
+                    print(f"molt: {s.name} on Slurm task {s._get('slurm_task')}, reached through Ray", flush=True)
+            yield servers
+        finally:
+            with ThreadPoolExecutor(len(servers)) as pool:
+                list(pool.map(lambda s: s.stop(), servers))
 
 
 def _remote(name: str, cfg: EngineConfig, model_dir: str, log_dir: str, key: str, task: int,

@@ -10,6 +10,7 @@ import asyncio
 import json
 import re
 import threading
+import time
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -471,6 +472,61 @@ def test_unknown_session_wrong_key_and_budgets_through_the_sdks(session, loop):
     with pytest.raises(openai.BadRequestError) as e:  # agent.max_turns=3
         oai.chat.completions.create(**OK_OAI)
     assert e.value.body["code"] == "max_turns" and session.s.refused == 1 and session.s.turns == 3
+
+
+@pytest.mark.parametrize("option", [
+    {"stop": ["a", "b", "c", "d", "e"]},  # the API allows up to 4
+    {"response_format": {"type": "json_object"}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+    {"tools": TOOLS, "tool_choice": "required"},
+    {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "add"}}},
+    {"seed": 7}, {"presence_penalty": 0.5}, {"frequency_penalty": -0.5}, {"logit_bias": {"5": 10}},
+    {"logprobs": True, "top_logprobs": 2},
+])
+def test_openai_options_the_policy_cannot_honour_are_refused_by_name(session, option):
+    """Issue 23 item 7: never a 200 that ignores them. `option`'s last key is the one refused."""
+    client = openai.OpenAI(base_url=f"{session.root}/v1", api_key=session.s.key, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**OK_OAI, **option)
+    assert e.value.body["type"] == "invalid_request_error" and e.value.body["message"].startswith(list(option)[-1])
+    assert session.rec.calls == {}  # nothing was generated
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_logprobs_are_the_behaviour_logprobs(session, tok, stream):
+    """`logprobs: true` returns each generated token's log-prob as recorded for training; the options' neutral
+    values are accepted."""
+    client = openai.OpenAI(base_url=f"{session.root}/v1", api_key=session.s.key, max_retries=0)
+    neutral = dict(response_format={"type": "text"}, tool_choice="auto", presence_penalty=0.0, frequency_penalty=0.0,
+                   top_logprobs=0)
+    r = client.chat.completions.create(**OK_OAI, **neutral, logprobs=True, stream=stream)
+    got = [x for c in r if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content] if stream \
+        else r.choices[0].logprobs.content
+    (seg,) = session.s.segments
+    gen = [(t, lp) for t, lp, m in zip(seg.token_ids, seg.logprobs, seg.loss_mask) if m]
+    assert [(x.token, x.logprob, x.top_logprobs) for x in got] == [(tok.decode([t]), lp, []) for t, lp in gen]
+
+
+@pytest.mark.parametrize("option", [
+    {"stop_sequences": ["s"] * 300_000},  # 1.5 MB: over the cap of 8191, refused before any matching
+    {"stop_sequences": ["END", ""]},  # the API refuses empty ones
+    {"thinking": {"type": "enabled", "budget_tokens": 1024}},
+    {"tools": A_TOOLS, "tool_choice": {"type": "any"}},
+    {"tools": A_TOOLS, "tool_choice": {"type": "tool", "name": "add"}},
+])
+def test_anthropic_options_the_server_cannot_honour_are_refused_by_name(session, option):
+    """Issue 23 items 3 and 7, in Anthropic's error shape; the neutral values are accepted."""
+    client = anthropic.Anthropic(base_url=session.root, api_key=session.s.key, max_retries=0)
+    t0 = time.perf_counter()
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(**OK_ANT, **option)
+    assert time.perf_counter() - t0 < 3  # read on a thread and refused: no 300,000-string match
+    err = e.value.body["error"]
+    assert err["type"] == "invalid_request_error" and err["message"].startswith(list(option)[-1]), err
+    assert session.rec.calls == {}
+    ok = client.messages.create(**OK_ANT, stop_sequences=["s"] * 8191, thinking={"type": "disabled"},
+                                tool_choice={"type": "auto"})
+    assert ok.stop_reason in ("end_turn", "max_tokens", "stop_sequence")
 
 
 def test_agent_outcomes(loop, client, tok):

@@ -55,6 +55,7 @@ def test_stop_strings_cut_text_and_ids(tok):
     assert "three" in tok.decode(ids[:keep]) and "three" not in tok.decode(ids[:keep - 1])  # the completing token
     assert cut_at_stop(tok, ids, ["zzz"]) == (len(ids), "one two three four", None)
     assert cut_at_stop(tok, ids, []) == (len(ids), "one two three four", None)
+    assert cut_at_stop(tok, ids, ["zz"] * 8190 + ["four", "o t"]) == (keep, "one tw", "o t")  # thousands: one pass
 
 
 def test_openai_request_to_canonical_conversation():
@@ -99,6 +100,9 @@ def test_anthropic_request_to_canonical_conversation():
     (wire.OAIRequest, b'{"messages": [{"role": "user", "content": "x"}], "n": 2}', "n"),
     (wire.ARequest, b'{"messages": [{"role": "user", "content": "x"}]}', "max_tokens"),
     (wire.ARequest, b'{"max_tokens": 4, "messages": "x"}', "messages"),
+    (wire.OAIRequest, b'{"messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}', "stop"),
+    (wire.ARequest, b'{"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "stop_sequences": ["a", ""]}',
+     "stop_sequences.1"),
 ])
 def test_bad_requests_name_the_field(schema, body, where):
     with pytest.raises(wire.WireError, match=f"^{where}"):

@@ -8,13 +8,14 @@ from transformers import AutoTokenizer
 
 from experiments.quickstart import task
 from experiments.quickstart.task import make_env, reward, target
-from molt.agents import run_group
+from molt.agents import RESTARTS, run_group
 from molt.agents.env import run_env_rollout
 from molt.agents.render import TemplateError, render_delta, render_prompt
 from molt.assets import ensure_model
 from molt.config import AgentConfig, EngineConfig
 from molt.net import free_port
-from molt.rollout.engine import EngineClient, launch_engines
+from molt.reaper import shared_memory
+from molt.rollout.engine import EngineClient, group_pids, launch_engines
 from molt.rollout.router import Router
 from molt.types import EngineDied
 
@@ -267,12 +268,14 @@ def test_engine_errors_propagate(tok):
 def test_rollouts_whose_engine_dies_start_again_from_scratch(model_dir, tok, tmp_path):
     """retry=True (engine.max_restarts > 0): the engine is killed mid-generation, the router reports it once and holds
     new requests, the engine is replaced, and every rollout starts again: no partial trajectory survives. Seeded, the
-    retried group draws exactly what a fresh run of the group draws from the same weights."""
+    retried group draws exactly what a fresh run of the group draws from the same weights. The shared memory the
+    killed processes left in /dev/shm goes with them (issue 23 item 4)."""
     cfg = AgentConfig(max_turns=3, max_tokens_per_turn=200, max_total_tokens=700)  # long turns: killed mid-request
     reports = []
     with launch_engines(EngineConfig(), model_dir, tmp_path) as servers:
         server = servers[0]
         router = Router([server.client(60.0)], seed=5, on_down=lambda name, epoch: reports.append((name, epoch)))
+        segments = set()  # /dev/shm/psm_* of the engine's processes (vLLM's message queues)
 
         def group(gid):
             return run_group("env", router, tok, TurnsEnv, SAMPLE, gid, 4, cfg, {"temperature": 1.0},
@@ -282,20 +285,43 @@ def test_rollouts_whose_engine_dies_start_again_from_scratch(model_dir, tok, tmp
             task = asyncio.create_task(group("g9"))
             while not sum(router.inflight.values()):
                 await asyncio.sleep(0.005)
+            segments.update(shared_memory(group_pids(server.proc.pid)))
             os.killpg(server.proc.pid, signal.SIGKILL)  # the API server and its EngineCore
+            while group_pids(server.proc.pid):
+                await asyncio.sleep(0.05)
+            assert all(os.path.exists(s) for s in segments), "left behind by the killed processes"
             while not reports:
                 await asyncio.sleep(0.05)
             server.restart()  # blocking: the rollouts wait in the router meanwhile
+            assert not any(os.path.exists(s) for s in segments), "the stop before the restart removed them"
             await router.up(server.name)
             retried = await task
             return retried, await group("g9")
 
         retried, fresh = run(main())
-    assert reports == [("engine0", 0)]
+    assert reports == [("engine0", 0)] and segments
     assert [r.info["retried"] for r in retried.rollouts] == [1.0] * 4 and [r.info["retried"] for r in fresh.rollouts] == [0.0] * 4
     assert "failed" not in [r.status for r in retried.rollouts]
     assert [(r.status, r.segments[0].token_ids) for r in retried.rollouts] == \
         [(r.status, r.segments[0].token_ids) for r in fresh.rollouts]
+
+
+def test_a_rollout_whose_engine_always_fails_is_retried_a_bounded_number_of_times(tok):
+    """Issue 23 item 9: an engine that answers every request of a rollout with a 5xx (a render route that always
+    fails on its images) fails the rollout after RESTARTS restarts, with the reason, instead of looping forever."""
+    calls = []
+
+    async def broken(rollout_id, token_ids, max_tokens, **sampling):  # stands in for the router of a broken engine
+        calls.append(rollout_id)
+        await asyncio.sleep(0)  # a real request yields to the event loop
+        raise EngineDied("engine0", "POST /v1/chat/completions/render: HTTP 500 boom")
+
+    group = run(asyncio.wait_for(run_group("env", broken, tok, TurnsEnv, SAMPLE, "g8", 2, AgentConfig(), {},
+                                           retry=True), timeout=10))
+    assert len(calls) == 2 * (RESTARTS + 1)
+    for r in group.rollouts:
+        assert (r.status, r.reward, r.info["failed"], r.info["retried"]) == ("failed", 0.0, 1.0, RESTARTS)
+        assert f"its engine failed it {RESTARTS + 1} times" in r.error and "HTTP 500 boom" in r.error
 
 
 def test_quickstart_rollouts_score_the_decoded_engine_ids(router, tok):

@@ -6,11 +6,13 @@ import ipaddress
 import json
 import os
 import pickle
+import shutil
 import signal
 import stat
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -20,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from molt.reaper import private_tmp
 from molt.rollout.engine import EngineClient, group_pids, launch_engines, server_cmd
 from molt.sync.reload import sync_weights, verify_sync, write_checkpoint
 from molt.types import EngineDied
@@ -212,10 +215,12 @@ def test_failed_start_reports_log(tiny_dir, tmp_path):
 
 def test_killed_engine_and_interrupt_leave_nothing(tiny_dir, tmp_path):
     """A dead engine raises EngineDied naming it; an interrupt inside the block still kills the
-    whole process group, including the EngineCore that the SIGKILLed API server orphaned."""
+    whole process group, including the EngineCore that the SIGKILLed API server orphaned, and removes the engines'
+    private directory (issue 23: their socket, vLLM's ZMQ sockets and FileStore)."""
     with pytest.raises(KeyboardInterrupt):
         with launch_engines(engine_cfg(), tiny_dir, tmp_path) as servers:
             s = servers[0]
+            assert os.listdir(f"{s.tmp}/engine0"), "vLLM's files are in the engine's TMPDIR"
             pgid, c = s.proc.pid, s.client()
             assert len(run(c.generate(PROMPT, max_tokens=4)).token_ids) == 4
             os.kill(s.proc.pid, signal.SIGKILL)
@@ -223,7 +228,7 @@ def test_killed_engine_and_interrupt_leave_nothing(tiny_dir, tmp_path):
                 run(c.generate(PROMPT, max_tokens=4))
             assert s.proc.wait(10) == -signal.SIGKILL and not s.alive()
             raise KeyboardInterrupt
-    assert group_pids(pgid) == []
+    assert group_pids(pgid) == [] and not os.path.exists(s.tmp)
 
 
 CHILD = """
@@ -236,10 +241,19 @@ with launch_engines(EngineConfig(startup_timeout_s=600.0), sys.argv[1], sys.argv
 """
 
 
-def test_engines_die_with_their_parent(tiny_dir, tmp_path):
-    """SIGKILL of the process that launched the engines takes every engine process with it."""
+@pytest.fixture
+def short_tmp():
+    """A private TMPDIR for processes under test, short: vLLM's ZMQ socket paths inside it must fit in 107 bytes."""
+    d = tempfile.mkdtemp(prefix="t")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_engines_die_with_their_parent(tiny_dir, tmp_path, short_tmp, monkeypatch):
+    """SIGKILL of the process that launched the engines takes every engine process with it; the next private
+    directory made on the machine (a later run) removes the one the killed process left (issue 23 item 4)."""
     parent = subprocess.Popen([sys.executable, "-c", CHILD, str(tiny_dir), str(tmp_path)], stdout=subprocess.PIPE,
-                              text=True, cwd=os.getcwd())
+                              text=True, cwd=os.getcwd(), env=dict(os.environ, TMPDIR=short_tmp))
     try:
         pgid, url = parent.stdout.readline().split()
         pgid = int(pgid)
@@ -253,6 +267,11 @@ def test_engines_die_with_their_parent(tiny_dir, tmp_path):
     assert group_pids(pgid) == []
     with pytest.raises(EngineDied, match="engine0"):
         run(EngineClient("engine0", url, 5.0).generate(PROMPT, max_tokens=4))
+    left = os.path.dirname(url.removeprefix("unix:"))
+    assert os.path.dirname(left) == short_tmp and os.path.isdir(left)
+    monkeypatch.setattr("tempfile.tempdir", short_tmp)
+    with private_tmp() as mine:
+        assert [n for n in os.listdir(short_tmp) if not n.startswith("torchinductor_")] == [os.path.basename(mine)]
 
 
 def test_engine_is_reachable_only_by_this_user(engine):
@@ -270,6 +289,11 @@ def test_engine_is_reachable_only_by_this_user(engine):
     listening = [c.laddr for p in procs for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN]
     assert all(ipaddress.ip_address(a.ip.removeprefix("::ffff:")).is_loopback for a in listening), listening
     assert not any(engine.api_key in " ".join(p.cmdline()) for p in procs)
+    # issue 23 item 5: vLLM's ZMQ sockets are in the engine's own 0700 TMPDIR, in the run's, not in the shared /tmp
+    tmp = psutil.Process(engine.proc.pid).environ()["TMPDIR"]
+    assert tmp == f"{engine.tmp}/engine0" and stat.S_IMODE(os.stat(tmp).st_mode) == 0o700
+    sockets = {c.laddr for p in procs for c in p.net_connections("unix") if c.laddr.startswith("/")}
+    assert any(s.startswith(tmp + "/") for s in sockets) and all(s.startswith(engine.tmp + "/") for s in sockets), sockets
 
 
 def test_an_engine_on_another_node_is_reached_through_ray(tiny_dir, tmp_path):
@@ -278,7 +302,7 @@ def test_an_engine_on_another_node_is_reached_through_ray(tiny_dir, tmp_path):
     network address. Here on one local Ray node, where the task's resource does not exist and placement is free."""
     from molt.loop import ray_session  # the run's own Ray: token auth, loopback
 
-    with ray_session(None), launch_engines(engine_cfg(), tiny_dir, tmp_path, tasks=[1]) as (remote,):
+    with private_tmp() as tmp, ray_session(tmp), launch_engines(engine_cfg(), tiny_dir, tmp_path, tasks=[1]) as (remote,):
         client = remote.client()
         assert pickle.loads(pickle.dumps(client)).host is not None, "the worker's copy goes through Ray too"
         assert len(run(client.generate(PROMPT, max_tokens=4)).token_ids) == 4
