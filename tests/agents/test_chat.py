@@ -23,10 +23,9 @@ from transformers import AutoTokenizer
 from molt.agents import MODES, Mode, load_agent, run_group
 from molt.agents.chat_agent import run_chat_rollout
 from molt.agents.chat_server import close_session, open_session, shared_server, stop_shared_server
-from molt.assets import ensure_model
-from molt.config import AgentConfig, EngineConfig
+from molt.config import AgentConfig
 from molt.net import free_port
-from molt.rollout.engine import EngineClient, launch_engines
+from molt.rollout.engine import EngineClient
 from molt.rollout.router import Router
 from molt.types import Completion, EngineDied, Rollout, RolloutFailed, Segment
 
@@ -40,8 +39,8 @@ SAMPLE = {"messages": [{"role": "user", "content": "What is 2 plus 3?"}]}
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return ensure_model(tmp_path_factory.mktemp("m") / "tiny", "tiny")
+def model_dir(tiny_dir):
+    return tiny_dir
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +49,8 @@ def tok(model_dir):
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir, tmp_path_factory):
-    cfg = EngineConfig(startup_timeout_s=600.0, request_timeout_s=120.0)
-    with launch_engines(cfg, model_dir, tmp_path_factory.mktemp("logs")) as servers:
-        yield servers[0]
+def engine(tiny_engine):
+    return tiny_engine
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from experiments.quickstart.task import make_env, reward, target
 from molt.agents import RESTARTS, run_group
 from molt.agents.env import run_env_rollout
 from molt.agents.render import TemplateError, render_delta, render_prompt
-from molt.assets import ensure_model
 from molt.config import AgentConfig, EngineConfig
 from molt.net import free_port
 from molt.reaper import shared_memory
@@ -31,8 +30,8 @@ CONVERSATION = [
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return ensure_model(tmp_path_factory.mktemp("m") / "tiny", "tiny")
+def model_dir(tiny_dir):
+    return tiny_dir
 
 
 @pytest.fixture(scope="module")
@@ -127,9 +126,8 @@ class TurnsEnv:
 
 
 @pytest.fixture(scope="module")
-def router(model_dir, tmp_path_factory):
-    with launch_engines(EngineConfig(), model_dir, tmp_path_factory.mktemp("logs")) as servers:
-        yield Router([s.client(60.0) for s in servers])
+def router(tiny_engine):
+    return Router([tiny_engine.client(60.0)])
 
 
 def recording(router):
