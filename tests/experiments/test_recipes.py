@@ -8,9 +8,7 @@ hold actor ranks) the total must fit the other 1 - u of the GPU as well.
 """
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +16,7 @@ import pytest
 
 from experiments.recipes.gsm8k import final_answer, reward
 from experiments.recipes.make_gsm8k import convert
+from molt.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("recipe_*.yaml"))
@@ -25,12 +24,16 @@ SAMPLE = REPO / "experiments" / "recipes" / "data" / "sample.jsonl"  # hand-writ
 DATA = [f"task.train_path={SAMPLE}", f"task.eval_path={SAMPLE}"]
 
 
-def molt(*overrides: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
-    out = subprocess.run([sys.executable, "-m", "molt", *overrides, *DATA], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out
+@pytest.fixture
+def molt(monkeypatch, capsys):
+    """`molt <overrides>` in this process (a dry run starts nothing; a fresh interpreter per run would cost the
+    suite 10-20 s each): what it printed."""
+    def run(*overrides: str) -> str:
+        monkeypatch.setattr(sys, "argv", ["molt", *overrides, *DATA, "hydra/hydra_logging=none",
+                                          "hydra/job_logging=none"])  # leave pytest's logging alone
+        main()
+        return capsys.readouterr().out
+    return run
 
 
 def plan_problems(text: str) -> list[str]:
@@ -58,23 +61,23 @@ def test_recipes_are_found():
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_recipe_fits_its_cluster_and_submits_to_it(recipe, tmp_path):
-    plan = molt(f"experiment={recipe}", "dry_run=true", f"hydra.run.dir={tmp_path / 'run'}").stdout
+def test_recipe_fits_its_cluster_and_submits_to_it(recipe, tmp_path, molt):
+    plan = molt(f"experiment={recipe}", "dry_run=true", f"hydra.run.dir={tmp_path / 'run'}")
     assert plan_problems(plan) == [], plan
     nodes, gpus = re.search(r"ranks on (\d+) x (\d+) GPUs", plan).groups()
     # the README's command: cluster=slurm keeps the recipe's node count (the overlay sets values, not a cluster)
     sbatch = molt("cluster=slurm", f"experiment={recipe}", "cluster.partition=gpu", "dry_run=true",
-                  f"hydra.sweep.dir={tmp_path / 'sweep'}").stdout
+                  f"hydra.sweep.dir={tmp_path / 'sweep'}")
     for line in [f"#SBATCH --nodes={nodes}\n", f"#SBATCH --gpus-per-node={gpus}\n", f"#SBATCH --job-name={recipe}\n"]:
         assert line in sbatch, (line, sbatch)
     assert f"experiment={recipe}" in (REPO / "experiments" / "recipes" / "README.md").read_text(), "undocumented"
 
 
-def test_a_recipe_that_does_not_fit_is_caught(tmp_path):
+def test_a_recipe_that_does_not_fit_is_caught(tmp_path, molt):
     """The same recipe on smaller GPUs, one Hydra job each: the planner refuses 20 GiB; 40 GiB holds the actor
     (30 GiB) but not beside the engine's 40%."""
     out = molt("-m", "experiment=recipe_qwen3_4b", "cluster.gpu_memory_gib=20,40", "dry_run=true",
-               f"hydra.sweep.dir={tmp_path}").stdout
+               f"hydra.sweep.dir={tmp_path}")
     small, medium = (plan_problems(plan) for plan in out.split("molt dry run: ")[1:])
     assert len(small) == 2 and "DOES NOT FIT" in small[0] and "the engine takes 0.4" in small[1], out
     assert len(medium) == 1 and "the engine takes 0.4 of 40.0 GiB" in medium[0], out
