@@ -62,7 +62,13 @@ def private_tmp():
 
 
 def sweep() -> None:
-    """Remove the private directories of runs that are gone: those whose lock no process holds."""
+    """Remove the private directories of runs that are gone (those whose lock no process holds), and the weight
+    files a killed run was writing for its engines in /dev/shm (engine.sync_dir's default; molt/sync/reload.py
+    names them after the writer's pid)."""
+    for d in glob.glob("/dev/shm/molt-sync-*-v*"):
+        with contextlib.suppress(ValueError, psutil.Error):
+            if not psutil.pid_exists(int(d.split("-")[2])):
+                shutil.rmtree(d, ignore_errors=True)
     for d in glob.glob(os.path.join(tempfile.gettempdir(), "molt-run-*")):
         with contextlib.suppress(OSError):
             fd = os.open(d, os.O_RDONLY)

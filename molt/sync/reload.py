@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
 import tempfile
 import time
@@ -62,7 +63,8 @@ async def sync_weights(clients: list[EngineClient], state_dict: dict[str, torch.
     seconds. The engines read the directory themselves, so sync_dir must be on their machine (/dev/shm locally) or
     shared."""
     t0 = time.perf_counter()
-    weights_dir = Path(tempfile.mkdtemp(prefix=f"molt-sync-v{version}-", dir=sync_dir))
+    # the writer's pid in the name: a SIGKILL mid-sync leaves the directory, which molt/reaper.py sweep removes
+    weights_dir = Path(tempfile.mkdtemp(prefix=f"molt-sync-{os.getpid()}-v{version}-", dir=sync_dir))
     try:
         write_checkpoint(state_dict, weights_dir)
         async with paused(clients, version, pause_mode):
