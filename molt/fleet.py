@@ -23,7 +23,7 @@ import ray
 from ray.util.queue import Queue
 
 from molt.net import free_port, node_address
-from molt.rollout.engine import engine_features
+from molt.rollout.features import engine_features
 from molt.sync import nccl
 from molt.sync.reload import sync_weights, verify_sync
 from molt.types import EngineDied, Segment

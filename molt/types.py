@@ -145,7 +145,7 @@ class Group:
 
 class Generate(Protocol):
     """`Router.generate` (or the Router itself, which also renders): one engine call of one rollout (sticky to its
-    engine). `features`: the engine's rendered images of the prompt (molt/agents/images.py)."""
+    engine). `features`: the engine's rendered images of the prompt (molt/rollout/features.py)."""
 
     async def __call__(self, rollout_id: str, token_ids: list[int], max_tokens: int, temperature: float = 1.0,
                        top_p: float = 1.0, top_k: int = -1, stop_token_ids: list[int] | None = None,

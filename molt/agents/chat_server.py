@@ -71,7 +71,7 @@ from molt.agents import chat_wire as wire
 from molt.agents import images
 from molt.agents.render import TemplateError, render
 from molt.config import AgentConfig
-from molt.rollout.engine import image_features
+from molt.rollout.features import image_features
 from molt.types import Completion, EngineDied, Generate, Image, Segment
 
 log = logging.getLogger(__name__)

@@ -43,7 +43,7 @@ from typing import Any, Callable
 from molt.agents import images
 from molt.agents.render import TemplateError, render
 from molt.config import AgentConfig
-from molt.rollout.engine import image_features
+from molt.rollout.features import image_features
 from molt.types import EngineDied, Generate, Rollout, RolloutFailed, Segment
 
 

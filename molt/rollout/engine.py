@@ -13,10 +13,9 @@ engine reports "default", which is version 0: the checkpoint it was started from
 from __future__ import annotations
 
 import asyncio
-import base64
+import contextlib
 import ctypes
 import getpass
-import io
 import json
 import os
 import shutil
@@ -27,8 +26,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-import contextlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -38,7 +36,7 @@ from molt.config import EngineConfig
 from molt.net import free_port, on_task
 from molt.reaper import private_tmp, shared_memory, unlink
 from molt.rollout import routes
-from molt.types import Completion, EngineDied, Image
+from molt.types import Completion, EngineDied
 
 SERVED_NAME = "policy"
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -428,7 +426,7 @@ class EngineClient:
                          top_p: float = 1.0, top_k: int = -1, stop_token_ids: list[int] | None = None,
                          features: dict | None = None, seed: int | None = None) -> list[Completion]:
         """n independent samples from one prompt in one request (one API-server round trip, not n). `features`:
-        the images of the prompt as the engine's render endpoint returned them (molt/agents/images.py). `seed`:
+        the images of the prompt as the engine's render endpoint returned them (molt/rollout/features.py). `seed`:
         sample i draws from its own generator seeded with seed + i (vLLM's parallel sampling), whatever else the
         engine is running: the same as n requests of n=1 seeded seed, seed + 1, ..."""
         sp = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, n=n,
@@ -458,7 +456,7 @@ class EngineClient:
 
     async def prompt_logprobs(self, token_ids: list[int], features: dict | None = None) -> list[float]:
         """log p(token_i | token_<i) for i >= 1 under the engine's current weights (a probe); `features`: the
-        prompt's images (molt/agents/images.py), scored through the token endpoint, which takes them."""
+        prompt's images (molt/rollout/features.py), scored through the token endpoint, which takes them."""
         if features:
             sp = dict(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
             body = {"token_ids": token_ids, "sampling_params": sp, "features": features}
@@ -494,31 +492,3 @@ class EngineClient:
         if self._http is not None:
             await self._http.aclose()
             self._http = None
-
-
-def image_features(ims: list[Image]) -> dict:
-    """Images of a prompt (offsets into it) as a generate call's `features` ({} when none, for splatting)."""
-    if not ims:
-        return {}
-    return {"features": {"mm_hashes": {"image": [im.sha256 for im in ims]},
-                         "mm_placeholders": {"image": [{"offset": im.offset, "length": im.length} for im in ims]},
-                         "kwargs_data": {"image": [im.engine["kwargs_data"] for im in ims]},
-                         "mm_metadata": {"image": [im.engine["mm_metadata"] for im in ims]}}}
-
-
-async def engine_features(client: EngineClient, ims: list[Image]) -> dict:
-    """`features` for images whose engine payload was dropped (a probe in the driver): the engine renders them again
-    from their source bytes, and the same bytes give the same processed image (checked by its hash)."""
-    if not ims:
-        return {}
-    from PIL import Image as PIL
-
-    def part(data: bytes) -> dict:
-        with PIL.open(io.BytesIO(data)) as im:  # a type molt/agents/images.py accepted when the rollout ran
-            url = f"data:{PIL.MIME[im.format]};base64,{base64.b64encode(data).decode()}"
-        return {"type": "image_url", "image_url": {"url": url}}
-
-    f = (await client.render([{"role": "user", "content": [part(im.data) for im in ims]}]))["features"]
-    assert f["mm_hashes"]["image"] == [im.sha256 for im in ims], "the engine processed the same image differently"
-    return image_features([replace(im, engine={k: f[k]["image"][i] for k in ("kwargs_data", "mm_metadata")})
-                           for i, im in enumerate(ims)])

@@ -26,7 +26,8 @@ from molt.agents.env import run_env_rollout
 from molt.agents.render import _engine_prompt
 from molt.assets import VL_IMAGE, ensure_model
 from molt.config import AgentConfig, EngineConfig, TrainConfig
-from molt.rollout.engine import engine_features, launch_engines
+from molt.rollout.engine import launch_engines
+from molt.rollout.features import engine_features
 from molt.rollout.router import Router
 from molt.sync.reload import sync_weights, verify_sync
 from molt.types import Completion
