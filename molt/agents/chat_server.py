@@ -176,10 +176,12 @@ def _record(s: Session, prompt: list[int], fresh: bool, ims: list[Image], c: Com
     seg.attach_routes(c.routed_experts)  # the prompt was this segment's prefix
 
 
-def _reply(text: str, stop: Optional[str], c: Completion, keep: int, tools_on: bool, n_prompt: int) -> wire.Reply:
+def _reply(s: Session, text: str, stop: Optional[str], c: Completion, keep: int, tools_on: bool,
+           n_prompt: int) -> wire.Reply:
+    thinks = wire.THINK_END in (getattr(s.tokenizer, "chat_template", None) or "")
     content, calls = wire.parse_tool_calls(text) if tools_on else (text, [])
     finish = "tool_calls" if calls else "stop" if stop is not None or c.finish_reason == "stop" else "length"
-    return wire.Reply(content, calls, finish, stop, prompt_tokens=n_prompt, completion_tokens=keep)
+    return wire.Reply(content, calls, finish, stop, prompt_tokens=n_prompt, completion_tokens=keep, thinks=thinks)
 
 
 async def complete(s: Session, convo: list[dict], max_tokens: Optional[int], stops: list[str], tools_on: bool,
@@ -210,7 +212,7 @@ async def complete(s: Session, convo: list[dict], max_tokens: Optional[int], sto
         keep, text, stop = await asyncio.to_thread(cut_at_stop, s.tokenizer, c.token_ids, [x for x in stops if x])
         _record(s, prompt, fresh, ims, c, keep)
         s.turns += 1
-        reply = _reply(text, stop, c, keep, tools_on, len(prompt))
+        reply = _reply(s, text, stop, c, keep, tools_on, len(prompt))
         if logprobs:
             reply.logprobs = [(s.tokenizer.decode([t]), x) for t, x in zip(c.token_ids[:keep], c.logprobs[:keep])]
         s.history = convo + [reply.message]

@@ -20,9 +20,18 @@ inside <tools></tools>, and the model calls a tool by writing
 A generation becomes tool calls only when every <tool_call> block in it holds such a JSON object;
 otherwise the whole generation comes back as text. Assistant turns with tool calls that have to
 be re-rendered (compaction) are written back in the same format; tool results are `tool` messages.
+
+Reasoning. When the model's chat template has a thinking section (it mentions `</think>`), a reply's
+text up to and including `</think>` (and the whitespace after it) is its reasoning. The canonical
+message keeps the whole text; the Responses API shows the reasoning as a `reasoning` item and
+Anthropic Messages as a `thinking` block, each carrying a handle (`encrypted_content`, `signature`:
+the reasoning exactly as generated, base64) by which the agent's echo of it is read back as the very
+same text, so the reply is recognised and its ids spliced.
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import re
 import secrets
@@ -266,6 +275,42 @@ def template_messages(msgs: list[dict]) -> list[dict]:
     return out
 
 
+# ---- reasoning ----
+
+THINK_END = "</think>"
+
+
+def split_thinking(text: str) -> tuple[str, str]:
+    """(the reasoning as generated: up to `</think>` and the whitespace after it, the rest); ("", text) if none."""
+    i = text.find(THINK_END)
+    if i < 0:
+        return "", text
+    rest = text[i + len(THINK_END):]
+    j = len(text) - len(rest.lstrip())
+    return text[:j], text[j:]
+
+
+def thinking_text(prefix: str) -> str:
+    """What a reasoning item or thinking block shows of a reasoning prefix: the text between the tags."""
+    return prefix.strip().removeprefix("<think>").removesuffix(THINK_END).strip()
+
+
+def seal(prefix: str) -> str:
+    """The handle of a reasoning prefix (encrypted_content, signature): the prefix itself, base64."""
+    return base64.b64encode(prefix.encode()).decode()
+
+
+def unseal(handle: Any, shown: str) -> str:
+    """The reasoning prefix an echoed reasoning item or thinking block stands for: its handle's text when the handle
+    is one of ours (decodes to a prefix showing `shown`), else the shown text wrapped in the tags."""
+    try:
+        prefix = base64.b64decode(handle, validate=True).decode() if isinstance(handle, str) and handle else ""
+    except (binascii.Error, UnicodeDecodeError):
+        prefix = ""
+    ok = prefix.rstrip().endswith(THINK_END) and (not shown or thinking_text(prefix) == shown.strip())
+    return prefix if ok else f"<think>\n{shown}\n{THINK_END}\n\n" if shown else ""
+
+
 # ---- generated text -> reply ----
 
 
@@ -281,6 +326,12 @@ class Reply:
     completion_tokens: int = 0
     id: str = field(default_factory=lambda: secrets.token_hex(12))
     logprobs: Optional[list[tuple[str, float]]] = None  # (token text, behaviour log-prob) per generated token
+    thinks: bool = False  # the model's template has a thinking section: `text` may start with reasoning
+
+    @property
+    def reasoning(self) -> tuple[str, str]:
+        """(reasoning prefix as generated, the rest of the text): see split_thinking."""
+        return split_thinking(self.text) if self.thinks else ("", self.text)
 
     @property
     def message(self) -> dict:
