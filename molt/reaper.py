@@ -11,7 +11,9 @@ the MLflow run KILLED. After a clean exit there is nothing left to stop: the dri
 Files too: a run keeps its temporary files (Ray's session, the engines' sockets, vLLM's IPC sockets and FileStore)
 in one private directory (`private_tmp`), which `sweep` removes once no live process holds its lock; the reaper
 sweeps after stopping the processes, and so does every later run as it starts. What the stopped processes left in
-/dev/shm (vLLM's shared-memory rings and caches, when a SIGKILL cut their cleanup short) goes too.
+/dev/shm (vLLM's shared-memory rings and caches, when a SIGKILL cut their cleanup short) goes too: an engine notes
+its files in the run's directory once it is up (SHM_LIST), so they go with it even when a scheduler killed every
+process of the job at once, before anything could look at their maps.
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ import tempfile
 from pathlib import Path
 
 import psutil
+
+SHM_LIST = ".shm"  # <private dir>/<engine>.shm: the /dev/shm files an engine's processes made, one per line
 
 
 @contextlib.contextmanager
@@ -74,6 +78,8 @@ def sweep() -> None:
             fd = os.open(d, os.O_RDONLY)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # OSError while its run lives
+                for listed in glob.glob(os.path.join(d, "*" + SHM_LIST)):  # what its engines noted (engine.py)
+                    unlink(p for p in Path(listed).read_text().split() if p.startswith("/dev/shm/"))
                 shutil.rmtree(d, ignore_errors=True)
             finally:
                 os.close(fd)
@@ -81,9 +87,11 @@ def sweep() -> None:
 
 def shared_memory(pids) -> set[str]:
     """The POSIX shared-memory segments (Python's /dev/shm/psm_*: vLLM's message queues and caches) these
-    processes map, read from /proc: a process that dies by SIGKILL leaves its segments behind."""
+    processes map, read from /proc, and the named semaphores loky (imported by vLLM's workers) made for them
+    (/dev/shm/sem.loky-<pid>-*): a process that dies by SIGKILL leaves them behind."""
     found = set()
     for pid in pids:
+        found |= set(glob.glob(f"/dev/shm/sem.loky-{pid}-*"))
         with contextlib.suppress(OSError):
             for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
                 path = line.split(maxsplit=5)[5:]  # address, perms, offset, device, inode, path

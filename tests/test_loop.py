@@ -21,6 +21,7 @@ import pytest
 from molt import checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
+STEPS = 24  # a tiny step takes 0.2-0.6 s, and the exact-resume test's Ctrl-C after step 4's checkpoint must land first
 SMALL = ["experiment=quickstart", "rollout.n=4", "train.groups_per_step=4", "rollout.max_inflight_groups=8",
          "agent.module=tests.fixtures.flaky_task"]
 
@@ -51,12 +52,16 @@ def leftovers(tmpdir: str) -> list[str]:
     return sorted(n for n in os.listdir(tmpdir) if not n.startswith("torchinductor_"))
 
 
+EXACT = ["rollout.max_lag=0", "rollout.seed=7", "train.save_every=1", f"train.steps={STEPS}", f"eval.every={STEPS}",
+         "eval.max_samples=8", "train.log_every=2"]
+
+
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory, run_tmp):
+    """One run straight through: the tests below read its story, and the exact-resume test resumes runs against it."""
     tmp = tmp_path_factory.mktemp("loop")
-    out = molt(*SMALL, "train.steps=3", "rollout.max_lag=0", "train.save_every=1", "eval.every=2",
-               "eval.max_samples=8", "train.log_every=2", f"train.dump_rollouts={tmp / 'dump'}",
-               f"hydra.run.dir={tmp / 'run1'}", f"checkpoint_dir={tmp / 'ckpt'}", tmpdir=run_tmp)
+    out = molt(*SMALL, *EXACT, f"train.dump_rollouts={tmp / 'dump'}", f"hydra.run.dir={tmp / 'run1'}",
+               f"checkpoint_dir={tmp / 'ckpt'}", tmpdir=run_tmp)
     assert out.returncode == 0, out.stderr[-3000:]
     (tmp / "terminal.txt").write_text(out.stdout + out.stderr)
     (tmp / "leftovers.json").write_text(json.dumps(leftovers(run_tmp)))
@@ -71,7 +76,7 @@ def test_run_log_tells_the_story_and_a_clean_run_prints_no_fault(first_run):
     assert "layout        dp 1 x ep 1 x cp 1 = world size 1" in log and "memory/rank" in log, log
     assert "step 0  reward " in log and "step 2  reward " in log and "step 1  reward " not in log, log
     assert "rollout(s) failed: FlakyEnv.step: ValueError: flaky env: refusing this sample" in log, log
-    assert "molt: quickstart done: 3 steps" in log and "mlflow ui --backend-store-uri" in log, log
+    assert f"molt: quickstart done: {STEPS} steps" in log and "mlflow ui --backend-store-uri" in log, log
     said = (first_run / "terminal.txt").read_text()
     for fault in ["Traceback", "Warning: ", "(raylet)", "Task was destroyed but it is pending"]:
         assert fault not in said, said[-3000:]
@@ -84,9 +89,9 @@ def test_run_records_mlflow_metrics(first_run):
     assert run.info.status == "FINISHED"
     for key in ["reward/mean", "loss/policy", "mismatch/logprob_abs_mean", "staleness/mean", "time/step",
                 "time/generate", "time/train", "time/sync", "throughput/tokens_per_s"]:
-        assert len(hist(key)) == 3, key
+        assert len(hist(key)) == STEPS, key
     assert run.data.params["estimator.name"] == "grpo"
-    assert hist("eval/reward"), "eval.every=2 logs eval/reward"
+    assert len(hist("eval/reward")) == 2, "eval.every=STEPS logs eval/reward at the first step and the last"
     assert sum(hist("rollout/failed")) > 0, "the flaky env raised, and the failures were counted"
     assert "config.yaml" in [a.path for a in client.list_artifacts(run.info.run_id)]
 
@@ -96,12 +101,12 @@ def test_synchronous_run_keeps_actor_and_engine_in_agreement(first_run):
     _, _, hist = history(first_run / "run1")
     assert max(hist("mismatch/logprob_abs_max")) <= 1e-4
     assert max(hist("sync/probe_abs_max")) <= 1e-4
-    assert hist("staleness/mean") == [0.0, 0.0, 0.0]
+    assert hist("staleness/mean") == [0.0] * STEPS
 
 
 def test_dumped_rollouts_are_token_first(first_run):
     rows = [json.loads(line) for line in open(first_run / "dump" / "rollouts.jsonl")]
-    assert {r["step"] for r in rows} == {0, 1, 2}
+    assert {r["step"] for r in rows} == set(range(STEPS))
     for r in rows:
         for s in r["segments"]:
             n = len(s["token_ids"])
@@ -226,10 +231,6 @@ def test_sigterm_while_engines_start_leaves_no_orphans(tmp_path):
     time.sleep(2)
     assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], "no orphans"
 
-
-
-EXACT = ["rollout.max_lag=0", "rollout.seed=7", "train.save_every=1", "train.steps=24", "eval.every=0"]
-# 24 steps: a tiny step takes 0.2-0.6 s, and the Ctrl-C after step 4's checkpoint must land before the run ends
 SAME = ["reward/mean", "reward/std", "rollout/failed", "rollout/gen_tokens", "version", "staleness/mean"]
 CLOSE = ["loss/policy", "advantage/abs_mean", "mismatch/logprob_abs_mean", "entropy/mean"]
 
@@ -239,14 +240,11 @@ def last_per_step(hist, key) -> dict[int, float]:
     return {m.step: m.value for m in sorted(hist(key), key=lambda m: m.timestamp)}
 
 
-def test_killed_and_interrupted_runs_resume_exactly(tmp_path, run_tmp):
+def test_killed_and_interrupted_runs_resume_exactly(first_run, tmp_path, run_tmp):
     """Issue 11, exact resume: seeded sampling (rollout.seed) and max_lag=0 make generation deterministic, so a run
-    that is SIGKILLed, resumed, interrupted with Ctrl-C and resumed again trains the same steps as one that ran
-    straight through: the same rewards, token counts and versions, losses within float noise, one MLflow run. None
-    of them leaves anything in TMPDIR (issue 23 item 4): the reaper removes what the killed one left."""
-    out = molt(*SMALL, *EXACT, f"hydra.run.dir={tmp_path / 'straight'}", f"checkpoint_dir={tmp_path / 'ck1'}",
-               tmpdir=run_tmp)
-    assert out.returncode == 0, out.stderr[-3000:]
+    that is SIGKILLed, resumed, interrupted with Ctrl-C and resumed again trains the same steps as `first_run`, which
+    ran straight through: the same rewards, token counts and versions, losses within float noise, one MLflow run.
+    None of them leaves anything in TMPDIR (issue 23 item 4): the reaper removes what the killed one left."""
     ckpt = tmp_path / "ck2"
     args = [*EXACT, f"hydra.run.dir={tmp_path / 'run'}", f"checkpoint_dir={ckpt}"]
 
@@ -276,14 +274,14 @@ def test_killed_and_interrupted_runs_resume_exactly(tmp_path, run_tmp):
     line = [x for x in said.splitlines() if x.startswith("molt: interrupted at step")]
     assert len(line) == 1 and "to continue, run the same command with resume=true" in line[0], said[-3000:]
     step = int(line[0].split()[4].rstrip(";"))
-    assert 4 <= step < 24 and checkpoint.latest(str(ckpt)).name == f"step_{step:07d}"
+    assert 4 <= step < STEPS and checkpoint.latest(str(ckpt)).name == f"step_{step:07d}"
     assert history(tmp_path / "run")[1].info.status == "KILLED"
 
     proc = start(tmp_path, *args, "resume=true", tmpdir=run_tmp)  # 3. resume to the end
     assert proc.wait(timeout=600) == 0, (tmp_path / "run.err").read_text()[-3000:]
     assert leftovers(run_tmp) == []
 
-    (c1, r1, _), (c2, r2, _) = history(tmp_path / "straight"), history(tmp_path / "run")
+    (c1, r1, _), (c2, r2, _) = history(first_run / "run1"), history(tmp_path / "run")
     assert r2.info.status == "FINISHED" and len(c2.search_runs([r2.info.experiment_id])) == 1, "one MLflow run"
     raw1 = lambda k: c1.get_metric_history(r1.info.run_id, k)  # noqa: E731
     raw2 = lambda k: c2.get_metric_history(r2.info.run_id, k)  # noqa: E731
@@ -291,7 +289,7 @@ def test_killed_and_interrupted_runs_resume_exactly(tmp_path, run_tmp):
         assert last_per_step(raw2, key) == last_per_step(raw1, key), key
     for key in CLOSE:
         a, b = last_per_step(raw1, key), last_per_step(raw2, key)
-        assert a.keys() == b.keys() == set(range(24)) and all(abs(a[s] - b[s]) <= 1e-4 for s in a), (key, a, b)
+        assert a.keys() == b.keys() == set(range(STEPS)) and all(abs(a[s] - b[s]) <= 1e-4 for s in a), (key, a, b)
     positions = [json.loads((checkpoint.latest(str(d)) / "state.json").read_text())["data_position"]
-                 for d in (tmp_path / "ck1", ckpt)]
+                 for d in (first_run / "ckpt", ckpt)]
     assert positions[0] == positions[1]

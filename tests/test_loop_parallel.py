@@ -12,9 +12,11 @@ LAYOUTS = {"ep2": (["model=tiny_moe", "fsdp.ep_size=2"], (1, 2, 1))}  # dp2 in t
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_parallel_actor_trains_syncs_and_resumes(tmp_path, layout):
+def test_parallel_actor_trains_syncs_and_checkpoints(tmp_path, layout):
     """max_lag=0: each batch was sampled by the weights the sharded actor just exported, so actor and engine agree
-    to fp32 rounding (a wrong gather of the expert shards would put them far apart); resume restores the shards."""
+    to fp32 rounding (a wrong gather of the expert shards would put them far apart); the checkpoint holds every
+    rank's shards and RNG. (Resuming sharded checkpoints into this and other layouts: tests/test_checkpoint.py; the
+    loop's resume path: tests/test_loop.py.)"""
     overrides, shape = LAYOUTS[layout]
     out = molt(*COMMON, *overrides, "train.steps=2", f"hydra.run.dir={tmp_path / 'run1'}", f"checkpoint_dir={tmp_path / 'ckpt'}")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -26,10 +28,3 @@ def test_parallel_actor_trains_syncs_and_resumes(tmp_path, layout):
     ckpt = tmp_path / "ckpt" / "step_0000002"
     assert json.loads((ckpt / "state.json").read_text())["layout"] == list(shape)
     assert len(list((ckpt / "rng").glob("rank_*.json"))) == 2 and list((ckpt / "policy").glob("*.safetensors"))
-
-    out = molt(*COMMON, *overrides, "train.steps=3", "resume=true", f"hydra.run.dir={tmp_path / 'run2'}",
-               f"checkpoint_dir={tmp_path / 'ckpt'}")
-    assert out.returncode == 0, out.stderr[-3000:]
-    _, _, hist = history(tmp_path / "run1")  # resume=true continues the same MLflow run
-    assert hist("version") == [1.0, 2.0, 3.0], "only step 3 ran, once"
-    assert hist("mismatch/logprob_abs_max")[-1] <= 1e-4, "the engine got the restored weights, not the initial ones"

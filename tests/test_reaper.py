@@ -21,3 +21,29 @@ def test_sweep_removes_the_weight_files_of_dead_writers_only():
     finally:
         for d in (left, live):
             shutil.rmtree(d, ignore_errors=True)
+
+
+def test_sweep_removes_what_the_engines_of_a_killed_run_noted_in_dev_shm(tmp_path, monkeypatch):
+    """An engine notes its /dev/shm files in the run's private directory once up (engine.py, reaper.SHM_LIST): when
+    every process of the run died at once (a scancel), the sweep that removes the directory removes them too, and
+    leaves them while the run lives."""
+    seg = Path(tempfile.mkstemp(prefix="psm_molttest_", dir="/dev/shm")[1])
+    child = subprocess.Popen([sys.executable, "-c", f"""if 1:
+        import sys, time
+        from molt.reaper import SHM_LIST, private_tmp
+        with private_tmp() as d:
+            open(d + "/engine0" + SHM_LIST, "w").write("{seg}\\n/etc/hostname\\n")
+            print(d, flush=True)
+            time.sleep(600)"""], env=dict(os.environ, TMPDIR=str(tmp_path)), stdout=subprocess.PIPE, text=True)
+    try:
+        run_dir = Path(child.stdout.readline().strip())
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+        sweep()
+        assert run_dir.exists() and seg.exists(), "a live run's files were swept"
+        child.kill()
+        child.wait()
+        sweep()
+        assert not run_dir.exists() and not seg.exists() and Path("/etc/hostname").exists()
+    finally:
+        child.kill()
+        seg.unlink(missing_ok=True)

@@ -34,7 +34,7 @@ import httpx
 
 from molt.config import EngineConfig
 from molt.net import free_port, on_task
-from molt.reaper import private_tmp, shared_memory, unlink
+from molt.reaper import SHM_LIST, private_tmp, shared_memory, unlink
 from molt.rollout import routes
 from molt.types import Completion, EngineDied
 
@@ -185,6 +185,8 @@ class EngineServer:
                 with httpx.Client(transport=httpx.HTTPTransport(uds=uds), timeout=5, trust_env=False) as http:
                     if http.get(base + "/health").status_code == 200:
                         self.shm = shared_memory(group_pids(self.proc.pid))  # made as it started
+                        # noted where a sweep finds them (molt/reaper.py), should every process die at once
+                        Path(f"{self.tmp}/{self.name}{SHM_LIST}").write_text("\n".join(sorted(self.shm)))
                         return
             time.sleep(0.5)
         raise TimeoutError(f"engine {self.name} not healthy after {timeout:.0f} s (raise engine.startup_timeout_s "
@@ -214,6 +216,7 @@ class EngineServer:
                 time.sleep(0.1)
         self.proc.wait()
         unlink(self.shm)
+        Path(f"{self.tmp}/{self.name}{SHM_LIST}").unlink(missing_ok=True)
         if self.uds:
             Path(self.url.removeprefix("unix:")).unlink(missing_ok=True)
         shutil.rmtree(f"{self.tmp}/{self.name}", ignore_errors=True)

@@ -11,6 +11,7 @@ from pathlib import Path
 import mlflow
 import pytest
 
+from molt.reaper import shared_memory
 from tests.cluster.conftest import job_processes
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,19 +49,38 @@ def test_bad_input_fails_before_submission(slurm, tmp_path, overrides, fragment)
     assert "submitted" not in out.stdout and not (tmp_path / ".submitit").exists() and not queue()
 
 
-def test_sweep_is_one_array_and_molt_compare_tables_and_plots_it(slurm, tmp_path):
-    sweep = ("-m", *TINY, "train.steps=2", "estimator=grpo,rloo", f"hydra.sweep.dir={tmp_path}")
+def test_sweep_on_two_tasks_is_one_array_that_trains_and_molt_compare_tables_and_plots_it(slurm, tmp_path):
+    """A sweep is one Slurm array; each job trains and reports (the printed job, log path and scancel line; rewards,
+    eval and sweep tags in MLflow; the end-of-run summary in its log). Ray spans both tasks of a job (token auth, a
+    per-job token); the dp2 actor has a rank on each, and the engine runs on task 1 (cluster.engine_tasks), through
+    Ray. `molt compare` tables and plots the sweep. (One array for all: each job costs an engine and a Ray cluster.)"""
+    sweep = ("-m", *TINY, "train.steps=2", "eval.every=2", "cluster.tasks_per_node=2", "cluster.cpus_per_task=1",
+             "fsdp.dp_size=2", "cluster.engine_tasks=[1]", "estimator=grpo,rloo", f"hydra.sweep.dir={tmp_path}")
     dry = molt(*sweep, "dry_run=true", timeout=120)
     assert dry.returncode == 0 and not queue(), dry.stderr
     out = molt(*sweep)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     ids = [line.split()[4] for line in out.stdout.splitlines() if line.startswith("molt: submitted Slurm job")]
     assert len(ids) == 2 and {i.split("_")[0] for i in ids} == {ids[0].split("_")[0]}, ids  # one array
+    assert "scancel" in out.stdout
     (script,) = (tmp_path / ".submitit").glob("*/*_submission.sh")  # what submitit sent to sbatch
     assert script.read_text() in dry.stdout, "the dry run printed the script that was submitted"
+    for job in ids:
+        path = tmp_path / ".submitit" / job / f"{job}_0_log.out"
+        assert path.as_posix() in out.stdout, "the printed log path is the job's log"
+        log = path.read_text()
+        assert "molt: actor ranks on Slurm tasks [0, 1]" in log, log[-3000:]
+        assert "molt: engine0 on Slurm task 1, reached through Ray" in log, log[-3000:]
+        assert "molt: quickstart done: 2 steps" in log and "reward  " in log and "mlflow ui --backend-store-uri" in log
+        assert not job_processes(job), "every task stopped its own Ray node"
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client, found = runs(uri)
     assert sorted(r.data.tags["molt.overrides"].split()[-1] for r in found) == ["estimator=grpo", "estimator=rloo"]
+    for run in found:
+        assert run.info.status == "FINISHED" and len(client.get_metric_history(run.info.run_id, "reward/mean")) == 2
+        assert client.get_metric_history(run.info.run_id, "eval/reward")
+        assert run.data.tags["molt.sweep"] == str(tmp_path.resolve()) and "train.steps=2" in run.data.tags[
+            "molt.overrides"]
     env = dict(os.environ, PYTHONPATH=str(REPO))
     cmp = subprocess.run([sys.executable, "-m", "molt.compare", str(tmp_path)], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=300)
@@ -75,28 +95,6 @@ def test_sweep_is_one_array_and_molt_compare_tables_and_plots_it(slurm, tmp_path
     _, with_compare = runs(uri)
     (summary,) = [r for r in with_compare if r.data.tags.get("molt.compare")]
     assert {a.path for a in client.list_artifacts(summary.info.run_id)} >= {"reward.png", "table.txt"}
-
-
-def test_job_on_two_tasks_trains_and_its_mlflow_run_shows_rewards(slurm, tmp_path):
-    """A submitted job trains and reports (the printed job, log path and scancel line; the run's rewards, eval and
-    sweep tags in MLflow; the end-of-run summary in the job's log). Ray spans both tasks (token auth, a per-job
-    token); the dp2 actor has a rank on each, and the engine runs on task 1 (cluster.engine_tasks), through Ray."""
-    out = molt(*TINY, "train.steps=2", "eval.every=2", "cluster.tasks_per_node=2", "cluster.cpus_per_task=1",
-               "fsdp.dp_size=2", "cluster.engine_tasks=[1]", f"hydra.sweep.dir={tmp_path}")
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert "molt: submitted Slurm job" in out.stdout and "scancel" in out.stdout
-    job = out.stdout.split("molt: submitted Slurm job ")[1].split()[0]
-    path = tmp_path / ".submitit" / job / f"{job}_0_log.out"
-    assert path.as_posix() in out.stdout, "the printed log path is the job's log"
-    log = path.read_text()
-    assert "molt: actor ranks on Slurm tasks [0, 1]" in log, log[-3000:]
-    assert "molt: engine0 on Slurm task 1, reached through Ray" in log, log[-3000:]
-    assert "molt: quickstart done: 2 steps" in log and "reward  " in log and "mlflow ui --backend-store-uri" in log
-    client, (run,) = runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    assert run.info.status == "FINISHED" and len(client.get_metric_history(run.info.run_id, "reward/mean")) == 2
-    assert client.get_metric_history(run.info.run_id, "eval/reward")
-    assert run.data.tags["molt.sweep"] == str(tmp_path.resolve()) and "train.steps=2" in run.data.tags["molt.overrides"]
-    assert not job_processes(job), "every task stopped its own Ray node"
 
 
 def submit(*overrides) -> tuple[subprocess.Popen, str]:
@@ -128,12 +126,22 @@ def requeue(job: str) -> None:
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
 
 
+def shm_of(job: str) -> set[str]:
+    """The /dev/shm files the job's processes hold now (vLLM's rings: psm_*, loky's semaphores); some must exist."""
+    procs = job_processes(job)
+    held = shared_memory(p.pid for p in procs)
+    assert any("/psm_" in p for p in held), (f"job {job} maps no shared memory: is its engine up?",
+                                             [(p.pid, p.name()) for p in procs], sorted(os.listdir("/dev/shm")))
+    return held
+
+
 def test_requeued_job_resumes_and_scancel_leaves_no_process_behind(slurm, tmp_path):
     """`scontrol requeue` restarts the job, which resumes its checkpoint into the same MLflow run; then scancel
     signals every process of the job at once: the vLLM server, Ray's daemons and the actor must all go, and the
     MLflow run is marked KILLED. (One job for both: each job start costs an engine and a Ray cluster.)"""
     proc, job = submit(*TINY, "train.steps=100000", "train.save_every=2", "eval.every=0", f"hydra.sweep.dir={tmp_path}")
     wait_for("0/checkpoints/step_*", tmp_path)
+    held = shm_of(job)
     requeue(job)
     log = tmp_path / ".submitit" / job / f"{job}_0_log.out"
     deadline = time.monotonic() + 400
@@ -145,12 +153,15 @@ def test_requeued_job_resumes_and_scancel_leaves_no_process_behind(slurm, tmp_pa
         assert time.monotonic() < deadline and proc.poll() is None, "the resumed job wrote no checkpoint"
         time.sleep(1)
     assert any("vllm.entrypoints" in " ".join(p.cmdline()) for p in job_processes(job)), "the job runs an engine"
+    held |= shm_of(job)
     subprocess.run(["scancel", job], check=True)
     proc.communicate(timeout=120)
     deadline = time.monotonic() + 60
     while (left := job_processes(job)) and time.monotonic() < deadline:
         time.sleep(1)
     assert not left, [" ".join(p.cmdline()[:4]) for p in left]
+    # issue 23: vLLM's shared-memory rings and loky's semaphores of both starts are gone from /dev/shm
+    assert [p for p in held if os.path.exists(p)] == []
     client, (run,) = runs(f"sqlite:///{tmp_path / 'mlflow.db'}")  # one run across both starts
     assert run.info.status == "KILLED"
     steps = sorted({m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")})

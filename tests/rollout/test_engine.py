@@ -83,6 +83,17 @@ def test_generate_matches_transformers(engine, hf_model):
     assert stopped.finish_reason == "stop" and len(stopped.token_ids) == len(stopped.logprobs) == 1
 
 
+async def until_running(c, task: asyncio.Task, timeout_s: float = 60) -> None:
+    """Wait until the engine generates for a request (its /metrics), so a sync that follows finds it in flight."""
+    deadline = time.monotonic() + timeout_s
+    while not task.done() and time.monotonic() < deadline:
+        _, text = await c.send("GET", "/metrics")
+        if any(float(x.split()[-1]) for x in text.splitlines() if x.startswith("vllm:num_requests_running")):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the request finished or never ran before the sync: nothing was in flight")
+
+
 @pytest.mark.usefixtures("restores_weights")
 def test_weight_sync_reload(engine, hf_model, tmp_path):
     sd = {k: v.clone() for k, v in hf_model.state_dict().items()}
@@ -97,7 +108,7 @@ def test_weight_sync_reload(engine, hf_model, tmp_path):
         c = engine.client()
         assert max_diff(await c.prompt_logprobs(PROBE), old) < 1e-4
         inflight = asyncio.create_task(c.generate(PROMPT, max_tokens=400))
-        await asyncio.sleep(0.05)
+        await until_running(c, inflight)
         TIMINGS["sync tiny model (s)"] = await sync_weights([c], sd, 1, tmp_path)
         done = await inflight  # pause(wait) lets it finish on the old weights rather than aborting it
         assert done.finish_reason in ("stop", "length") and done.version == 0
