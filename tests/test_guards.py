@@ -1,14 +1,14 @@
 """Guard rails: each fires with a message naming its keys; the CLI turns a failure into one stderr line and exit 2."""
 import json
-import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
 from molt import guards
 from molt.assets import RECIPES, ModelFacts, build_tokenizer, ensure_model, hf_config, model_facts, tiny_config
 from molt.actor.planner import describe_model
-from molt.config import REPO
+from molt.cli import main
 from tests.actor.test_planner import MIXTRAL
 from tests.test_config import compose
 
@@ -92,6 +92,11 @@ CASES = [
     ("agent_module", ["agent.mode=chat"], "to define run_agent"),
     ("agent_module", ["agent=chat", "agent.module=experiments.quickstart.task"], "to define run_agent"),
     ("agent_module", ["agent.module=no_such_package.task"], "agent.module=no_such_package.task"),
+    ("agent_harness", ["agent=chat", "agent.module=experiments.claude_code.agent", "agent.harness=nope"],
+     "agent.harness='nope' is unknown"),
+    ("agent_harness", ["experiment=codex", "agent.module=experiments.codex.agent", "agent.timeout_s=0"],
+     "agent.harness=codex needs agent.timeout_s > 0"),
+    # a CLI that is not installed: tests/agents/test_harness.py (it moves the npm folder)
     ("task_files", ["task.train_path=/no/train.jsonl"], "task.train_path=/no/train.jsonl"),
     ("task_files", ["eval.every=5", "task.eval_path=/no/eval.jsonl"], "task.eval_path=/no/eval.jsonl"),
     ("task_files", ["task.train_path=${assets_dir}/bad.jsonl"], "bad.jsonl:2"),  # malformed line: file and line
@@ -165,12 +170,23 @@ def test_mixtral_style_experts_are_moe(base):
     assert "MoE 4 experts, top-2" in describe_model(cfg, hf)
 
 
-def molt(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "molt", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+@pytest.fixture
+def molt(monkeypatch, capsys):
+    """`molt <args>` in this process (a dry run starts nothing; a fresh interpreter would cost 10 s a run): its exit
+    code and what it printed."""
+    def run(*args: str) -> SimpleNamespace:
+        monkeypatch.setattr(sys, "argv", ["molt", *args, "hydra/hydra_logging=none", "hydra/job_logging=none"])
+        try:
+            main()
+            code = 0
+        except SystemExit as e:
+            code = e.code
+        said = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=said.out, stderr=said.err)
+    return run
 
 
-def test_dry_run_prints_the_plan(base, tmp_path):
+def test_dry_run_prints_the_plan(molt, base, tmp_path):
     out = molt(*base, "experiment=quickstart", "model=tiny_moe", "dry_run=true", f"hydra.run.dir={tmp_path}")
     assert out.returncode == 0, out.stderr
     for line in ["molt dry run: quickstart", "engine 0", "--enforce-eager", "dp 1 x ep 1 x cp 1 = world size 1",
@@ -183,7 +199,7 @@ def test_dry_run_prints_the_plan(base, tmp_path):
     (["rollout.n=1"], "rollout.n=1"),  # guard that imports the estimator registry (torch)
     (["model.path=${nope}"], "model.path: Interpolation key 'nope' not found"),  # resolution error
 ])
-def test_config_error_is_one_line_and_exit_2(base, tmp_path, overrides, fragment):
+def test_config_error_is_one_line_and_exit_2(molt, base, tmp_path, overrides, fragment):
     out = molt(*base, *overrides, "dry_run=true", f"hydra.run.dir={tmp_path}")
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "Traceback" not in out.stderr
@@ -191,7 +207,7 @@ def test_config_error_is_one_line_and_exit_2(base, tmp_path, overrides, fragment
     assert "molt dry run" not in out.stdout
 
 
-def test_multirun_stops_at_the_bad_job_with_exit_2(base, tmp_path):
+def test_multirun_stops_at_the_bad_job_with_exit_2(molt, base, tmp_path):
     out = molt("-m", *base, "rollout.n=4,1", "dry_run=true", f"hydra.sweep.dir={tmp_path}")
     assert out.returncode == 2, out.stderr
     assert out.stdout.count("molt dry run") == 1  # the good job planned, the bad one refused

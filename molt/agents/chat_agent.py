@@ -6,6 +6,7 @@ The contract of a user module (`agent.mode=chat agent.module=experiments.calcula
         # async, or sync (then it runs in a thread, so the blocking SDK clients work)
         client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key)
         reply = await client.chat.completions.create(model=ctx.model, messages=ctx.messages, ...)
+        # or client.responses.create(model=ctx.model, input=ctx.messages, ...) (the OpenAI Responses API)
         # or anthropic.AsyncAnthropic(base_url=ctx.anthropic_base_url, api_key=ctx.api_key)
         return reward                                  # optionally (reward, info)
 
@@ -14,11 +15,12 @@ rollout's trajectory is what the server recorded: one segment, or several when t
 its context. All segments share the rollout's id and reward.
 
 Status: "ok"; "truncated" when the server refused a request for a budget (agent.max_turns or
-agent.max_total_tokens) -- if the agent then raised, its reward is 0.0; "failed" when the agent
-raised otherwise, returned something that is not a reward, ran past agent.timeout_s, never
-called the model, or sent a request the server refused as malformed (400/413, even if the agent
-caught the error). `Rollout.error` says why in one line. A failure of the server or engine (not
-the agent's fault) propagates.
+agent.max_total_tokens) -- if the agent then raised, its reward is 0.0 -- or when the agent raised
+right after a reply that a budget cut (agent.max_tokens_per_turn, or the room left under
+agent.max_total_tokens; reward 0.0); "failed" when the agent raised otherwise, returned something
+that is not a reward, ran past agent.timeout_s, never called the model, or sent a request the
+server refused as malformed (400/413, even if the agent caught the error). `Rollout.error` says why
+in one line. A failure of the server or engine (not the agent's fault) propagates.
 """
 from __future__ import annotations
 
@@ -48,6 +50,8 @@ class ChatContext:
     max_tokens: int  # agent.max_tokens_per_turn: the most one reply can hold
     max_turns: int  # agent.max_turns: the most model calls one rollout can make
     rollout_id: str
+    harness: str = ""  # agent.harness: the agent CLI that molt/agents/harness.py run_cli starts ("" = none)
+    log_dir: str = ""  # agent.log_dir: where run_cli keeps the CLI's output ("" = not kept)
 
     @property
     def messages(self) -> list[dict]:
@@ -85,13 +89,17 @@ async def run_chat_rollout(generate: Generate, tokenizer, agent_fn: Callable, sa
     s = open_session(srv, rollout_id, generate, tokenizer, agent_cfg, sampling)
     root = f"{srv.url}/s/{s.sid}"
     ctx = ChatContext(f"{root}/v1", root, s.key, srv.model, sample, agent_cfg.max_tokens_per_turn,
-                      agent_cfg.max_turns, rollout_id)
-    ro, why, cause = Rollout(rollout_id=rollout_id, group_id=group_id), "", None
+                      agent_cfg.max_turns, rollout_id, agent_cfg.harness, agent_cfg.log_dir)
+    ro, why, cause, truncated = Rollout(rollout_id=rollout_id, group_id=group_id), "", None, False
     timeout = agent_cfg.timeout_s or None  # agent.timeout_s: wall-clock bound of one rollout
     try:
         ro.reward, ro.info = await asyncio.wait_for(_call_agent(agent_fn, ctx), timeout)
     except AgentError as e:
-        if not s.refused:  # after a budget refusal, the agent giving up is a truncation (its reward 0.0)
+        # after a budget refused a request or cut the last reply, the agent giving up (raising, not returning a
+        # non-reward) is a truncation (reward 0.0): Claude Code re-asks 3 times after a reply cut at max_tokens, then
+        # exits 1
+        truncated = bool(s.refused) or s.cut and e.__cause__ is not None
+        if not truncated:
             why, cause = f"agent: {e}", e.__cause__
     except asyncio.TimeoutError:
         why = f"agent ran past agent.timeout_s={timeout}"
@@ -101,9 +109,9 @@ async def run_chat_rollout(generate: Generate, tokenizer, agent_fn: Callable, sa
             release(rollout_id)
     if s.error is not None:
         raise s.error
-    ro.status = "truncated" if s.refused else "ok"
+    ro.status = "truncated" if s.refused or truncated else "ok"
     ro.info.update(turns=float(s.turns), segments=float(len(ro.segments)), refused=float(s.refused),
-                   rejected=float(s.rejected))
+                   rejected=float(s.rejected), ignored=float(sum(s.ignored.values())))
     if s.bad_image:  # the policy would have trained without seeing an image the agent sent (images.py)
         why, cause = f"bad image: {s.bad_image}", None
     elif not why and s.rejected:

@@ -5,8 +5,8 @@ One server per rollout worker (FastAPI on uvicorn, in the worker's own event loo
 
     srv = await start_server()                        # or: await shared_server(), one per event loop
     s = open_session(srv, "g3/0", router.generate, tokenizer, agent_cfg, sampling)
-    OpenAI(base_url=f"{srv.url}/s/{s.sid}/v1", api_key=s.key)       # POST .../v1/chat/completions
-    Anthropic(base_url=f"{srv.url}/s/{s.sid}", api_key=s.key)       # POST .../v1/messages
+    OpenAI(base_url=f"{srv.url}/s/{s.sid}/v1", api_key=s.key)       # POST .../v1/chat/completions, .../v1/responses
+    Anthropic(base_url=f"{srv.url}/s/{s.sid}", api_key=s.key)       # POST .../v1/messages, .../count_tokens
     close_session(srv, s); s.segments                 # the trajectory; later requests get 404
 
 Isolation: a session is addressed by a random id in the path *and* must present its own random key
@@ -40,18 +40,29 @@ win over a request's `temperature`/`top_p`: the actor recomputes log-probs at th
 temperature, so any other would make the importance ratios wrong. A request's `max_tokens` is capped
 by agent.max_tokens_per_turn (which is also the default) and by the room left under
 agent.max_total_tokens, the context budget of one request (prompt + reply). More than
-agent.max_turns requests, or a prompt that fills the context budget, are refused with a 400.
+agent.max_turns requests, or a prompt that fills the context budget, are refused with a 400 (the latter in
+Anthropic's words, "prompt is too long: N tokens > M maximum", on which Claude Code compacts its context). A reply
+the budget cut ends with `length` / `max_tokens` (Claude Code then asks the model to resume, 3 times at most, and
+gives up: run the CLI with CLAUDE_CODE_MAX_OUTPUT_TOKENS=agent.max_tokens_per_turn so that its requests say so);
+`Session.cut` tells chat_agent.py that an agent giving up then truncated its rollout.
+`POST .../v1/messages/count_tokens` answers the prompt length the same request would have: nothing is generated.
 
 Stop strings (`stop`, at most 4; `stop_sequences`, at most 8191) are applied to the decoded reply, on a
 thread: generation is not cut early, but the reply is cut at the first stop string and so are the
 recorded ids (at the token that completes it). Streaming: the reply is generated whole, then sent as
 stream events. Options the policy cannot honour (constrained output, forced tool calls, penalties,
-seeds, top log-probs, thinking) are refused with a 400 naming them (chat_wire.py), never ignored.
+seeds, top log-probs) are refused with a 400 naming them (chat_wire.py), never ignored. Fields whose absence changes
+no sampled token are accepted and counted in `Session.ignored`: of the Responses API built-in tools,
+prompt_cache_key, reasoning, ... (responses.py); of Anthropic Messages thinking (the model thinks as its template
+says; its reasoning comes back as a thinking block), tools Anthropic defines, redacted_thinking blocks,
+context_management, output_config, metadata, ... (chat_wire.py). `cache_control` anywhere, `?beta=true` and
+`anthropic-beta` headers are accepted as they are: the engine's prefix cache caches anyway.
 """
 from __future__ import annotations
 
 import asyncio
 import bisect
+import collections
 import contextlib
 import logging
 import secrets
@@ -68,7 +79,7 @@ from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from molt.agents import chat_wire as wire
-from molt.agents import images
+from molt.agents import images, responses
 from molt.agents.render import TemplateError, render
 from molt.config import AgentConfig
 from molt.rollout.features import image_features
@@ -80,9 +91,9 @@ log = logging.getLogger(__name__)
 class ChatError(StarletteHTTPException):
     """A request refused with an HTTP status (build_app answers it in the protocol's error shape)."""
 
-    def __init__(self, status: int, message: str, code: Optional[str] = None):
+    def __init__(self, status: int, message: str, code: Optional[str] = None, param: Optional[str] = None):
         super().__init__(status, message)
-        self.code = code
+        self.code, self.param = code, param
 
 
 @dataclass
@@ -98,9 +109,12 @@ class Session:
     history: list[dict] = field(default_factory=list)  # canonical messages behind segments[-1]
     turns: int = 0  # replies generated
     refused: int = 0  # requests refused for a budget (max_turns, context)
+    cut: bool = False  # the latest reply was cut by a budget (max_tokens_per_turn, the context's room), not the request
     rejected: int = 0  # requests refused as malformed (400, 413): the agent's fault, the rollout fails
     rejection: str = ""  # the last such refusal's message
     replies: list[tuple[dict, list[int]]] = field(default_factory=list)  # (message returned, the engine's ids)
+    responses: dict[str, list[dict]] = field(default_factory=dict)  # stored Responses API id -> its conversation
+    ignored: collections.Counter = field(default_factory=collections.Counter)  # accepted fields that change nothing
     error: Optional[BaseException] = None  # a failure that is not the agent's: the runner re-raises it
     bad_image: Optional[str] = None  # the reason a request's image was refused: the rollout fails
     closed: bool = False
@@ -157,9 +171,9 @@ async def _render(s: Session, convo: list[dict]) -> tuple[list[int], bool, list[
         raise _reject(s, 400, f"the chat template cannot render these messages: {type(e).__name__}: {e}") from e
 
 
-def _reject(s: Session, status: int, message: str) -> ChatError:
+def _reject(s: Session, status: int, message: str, param: Optional[str] = None) -> ChatError:
     s.rejected, s.rejection = s.rejected + 1, message
-    return ChatError(status, message)
+    return ChatError(status, message, param=param)
 
 
 def _refuse(s: Session, message: str, code: str) -> ChatError:
@@ -200,10 +214,12 @@ async def complete(s: Session, convo: list[dict], max_tokens: Optional[int], sto
             s.bad_image = e.reason
             raise ChatError(400, f"bad image: {e}", f"image_{e.reason}") from e
         room = s.cfg.max_total_tokens - len(prompt)
-        if room < 1:
-            raise _refuse(s, f"the conversation is {len(prompt)} tokens and agent.max_total_tokens="
-                             f"{s.cfg.max_total_tokens} leaves no room to reply", "context_length_exceeded")
-        limit = min(max_tokens or s.cfg.max_tokens_per_turn, s.cfg.max_tokens_per_turn, room)
+        if room < 1:  # Anthropic's words, which Claude Code reads as "compact the context" (shared/HARNESSES.md)
+            raise _refuse(s, f"prompt is too long: {len(prompt)} tokens > {s.cfg.max_total_tokens - 1} maximum "
+                             f"(agent.max_total_tokens={s.cfg.max_total_tokens} leaves no room to reply)",
+                          "context_length_exceeded")
+        budget = min(s.cfg.max_tokens_per_turn, room)
+        limit = min(max_tokens or budget, budget)
         c = await s.generate(s.rollout_id, prompt, limit, **s.sampling, **image_features(ims))
         if s.closed:  # the rollout ended while the engine worked: its trajectory is final
             raise ChatError(404, f"session of rollout {s.rollout_id} has ended")
@@ -213,6 +229,7 @@ async def complete(s: Session, convo: list[dict], max_tokens: Optional[int], sto
         _record(s, prompt, fresh, ims, c, keep)
         s.turns += 1
         reply = _reply(s, text, stop, c, keep, tools_on, len(prompt))
+        s.cut = reply.finish == "length" and limit == budget
         if logprobs:
             reply.logprobs = [(s.tokenizer.decode([t]), x) for t, x in zip(c.token_ids[:keep], c.logprobs[:keep])]
         s.history = convo + [reply.message]
@@ -220,31 +237,35 @@ async def complete(s: Session, convo: list[dict], max_tokens: Optional[int], sto
         return reply
 
 
-# ---- the two protocols ----
+# ---- the three protocols ----
 
 
 @dataclass
 class Wire:
     schema: type
-    conversation: Callable[[Any], list[dict]]
+    conversation: Callable[[Any, Session], list[dict]]
     options: Callable[[Any], dict]  # complete()'s max_tokens, stops, tools_on, logprobs
-    response: Callable[[wire.Reply, str], dict]
+    response: Callable[[wire.Reply, str, Any], dict]
     events: Callable[[wire.Reply, str, Any], Iterator[str]]
+    keep: Optional[Callable[[Session, Any, wire.Reply], None]] = None  # after a reply: what the protocol stores
 
 
 OPENAI = Wire(
-    wire.OAIRequest, wire.openai_conversation,
+    wire.OAIRequest, lambda r, s: wire.openai_conversation(r),
     lambda r: dict(max_tokens=r.max_completion_tokens or r.max_tokens,
                    stops=[r.stop] if isinstance(r.stop, str) else r.stop or [],
                    tools_on=bool(r.tools) and r.tool_choice != "none", logprobs=bool(r.logprobs)),
-    wire.openai_response,
+    lambda reply, model, r: wire.openai_response(reply, model),
     lambda reply, model, r: wire.openai_chunks(reply, model, bool((r.stream_options or {}).get("include_usage"))))
 ANTHROPIC = Wire(
-    wire.ARequest, wire.anthropic_conversation,
+    wire.ARequest, lambda r, s: wire.anthropic_conversation(r, s.ignored),
     lambda r: dict(max_tokens=r.max_tokens, stops=r.stop_sequences or [],
                    tools_on=bool(r.tools) and (r.tool_choice or {}).get("type") != "none"),
-    wire.anthropic_response,
-    lambda reply, model, r: wire.anthropic_events(reply, model))
+    lambda reply, model, r: wire.anthropic_response(reply, model, r.omit_thinking),
+    lambda reply, model, r: wire.anthropic_events(reply, model, r.omit_thinking))
+COUNT = Wire(wire.ACount, lambda r, s: wire.anthropic_conversation(r), ANTHROPIC.options, None, None)  # nothing counted
+RESPONSES = Wire(responses.RRequest, responses.conversation, responses.options, responses.response, responses.events,
+                 responses.keep)
 
 
 # ---- the server ----
@@ -289,10 +310,10 @@ def _read(s: Session, w: Wire, body: bytes) -> tuple[Any, list[dict], dict]:
     """(request, conversation, complete()'s options). Any failure before generation is the agent's: a 400."""
     try:
         req = wire.parse_request(w.schema, body)
-        return req, w.conversation(req), w.options(req)
+        return req, w.conversation(req, s), w.options(req)
     except Exception as e:
         raise _reject(s, 400, str(e) if isinstance(e, wire.WireError) else
-                      f"malformed request: {type(e).__name__}: {e}") from e
+                      f"malformed request: {type(e).__name__}: {e}", getattr(e, "param", None)) from e
 
 
 async def _serve(srv: ChatServer, sid: str, request: Request, w: Wire):
@@ -300,6 +321,8 @@ async def _serve(srv: ChatServer, sid: str, request: Request, w: Wire):
     try:
         req, convo, options = await asyncio.to_thread(_read, s, w, await _body(s, request))
         reply = await complete(s, convo, **options, gone=request.is_disconnected)
+        if w.keep is not None:
+            w.keep(s, req, reply)
     except ChatError:
         raise
     except ClientDisconnect:  # mid-upload: the agent's event (its SDK retries), never the run's; nothing to answer
@@ -316,7 +339,20 @@ async def _serve(srv: ChatServer, sid: str, request: Request, w: Wire):
     model = req.model or srv.model
     if req.stream:
         return StreamingResponse(w.events(reply, model, req), media_type="text/event-stream")
-    return JSONResponse(w.response(reply, model))
+    return JSONResponse(w.response(reply, model, req))
+
+
+async def _count_tokens(srv: ChatServer, sid: str, request: Request) -> dict:
+    """The prompt length of a Messages request as complete() would render it (extending the current segment or not),
+    from the chat template; nothing is generated, recorded or counted as a turn."""
+    s = _session(srv, sid, request)
+    _, convo, _ = await asyncio.to_thread(_read, s, COUNT, await _body(s, request))
+    async with s.lock:
+        try:
+            prompt, _, _ = await _render(s, convo)
+        except images.ImageError as e:
+            raise ChatError(400, f"bad image: {e}", f"image_{e.reason}") from e
+    return {"input_tokens": len(prompt)}
 
 
 def build_app(srv: ChatServer) -> FastAPI:
@@ -324,8 +360,8 @@ def build_app(srv: ChatServer) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)  # a ChatError; unknown paths, wrong methods: the same shapes
     async def http_error(request: Request, e: StarletteHTTPException):
-        body = (wire.anthropic_error(str(e.detail), e.status_code) if request.url.path.endswith("/messages") else
-                wire.openai_error(str(e.detail), e.status_code, getattr(e, "code", None)))
+        body = (wire.anthropic_error(str(e.detail), e.status_code) if "/v1/messages" in request.url.path else
+                wire.openai_error(str(e.detail), e.status_code, getattr(e, "code", None), getattr(e, "param", None)))
         return JSONResponse(body, status_code=e.status_code)
 
     @app.get("/s/{sid}/v1/models")
@@ -340,6 +376,14 @@ def build_app(srv: ChatServer) -> FastAPI:
     @app.post("/s/{sid}/v1/messages")
     async def messages(sid: str, request: Request):
         return await _serve(srv, sid, request, ANTHROPIC)
+
+    @app.post("/s/{sid}/v1/messages/count_tokens")
+    async def count_tokens(sid: str, request: Request):
+        return await _count_tokens(srv, sid, request)
+
+    @app.post("/s/{sid}/v1/responses")
+    async def responses_(sid: str, request: Request):
+        return await _serve(srv, sid, request, RESPONSES)
 
     return app
 

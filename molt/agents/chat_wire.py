@@ -36,6 +36,7 @@ import json
 import re
 import secrets
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Iterator, Literal, Optional, Union
 
@@ -113,11 +114,19 @@ class AToolDef(_Strict):
     name: str
     description: str = ""
     input_schema: dict = Field(default_factory=dict)
+    type: Optional[str] = None  # None | "custom"; else a tool Anthropic defines (web_search_..., bash_...)
+    defer_loading: Optional[bool] = None  # tool search: not shown to the model until a search finds it
 
 
 class AMessage(_Strict):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: a mid-conversation system message (Claude Code sends them)
     content: Union[str, list[dict]]
+
+
+class AThinking(_Strict):
+    type: Literal["enabled", "adaptive", "disabled"]
+    budget_tokens: Optional[int] = Field(None, ge=1)
+    display: Optional[str] = None  # "omitted": thinking blocks come back with their signature only
 
 
 class ARequest(_Strict):
@@ -133,7 +142,17 @@ class ARequest(_Strict):
     top_p: Optional[float] = None
     top_k: Optional[int] = None
     stream: bool = False
-    thinking: Optional[dict] = None
+    thinking: Optional[AThinking] = None
+
+    @property
+    def omit_thinking(self) -> bool:
+        return self.thinking is not None and self.thinking.display == "omitted"
+
+
+class ACount(ARequest):
+    """POST /v1/messages/count_tokens: a Messages request without max_tokens."""
+
+    max_tokens: Optional[int] = Field(None, ge=1)
 
 
 def parse_request(schema: type[BaseModel], body: bytes) -> Any:
@@ -173,10 +192,18 @@ def _openai_options(r: OAIRequest) -> None:
 
 
 def _anthropic_options(r: ARequest) -> None:
-    choice, thinking = (r.tool_choice or {}).get("type", "auto"), (r.thinking or {}).get("type", "disabled")
+    choice = (r.tool_choice or {}).get("type", "auto")
     _refuse({"tool_choice": choice not in ("auto", "none") and f"forcing a tool call ({choice!r}) needs constrained "
-                            f"decoding, and {_SAMPLED}; use 'auto'",
-             "thinking": thinking != "disabled" and "this server returns no thinking blocks"})
+                            f"decoding, and {_SAMPLED}; use 'auto'"})
+
+
+def _anthropic_ignored(r: ARequest) -> list[str]:
+    """The names of the fields given that change nothing here: thinking (the model thinks as its template says,
+    whatever the budget or effort), tools Anthropic defines (only custom tools are shown to the model), unknown
+    fields (context_management, output_config, metadata, ...)."""
+    return ([k for k, v in (r.model_extra or {}).items() if v is not None]
+            + (["thinking"] if r.thinking is not None and r.thinking.type != "disabled" else [])
+            + [f"tools.{t.type}" for t in r.tools or [] if t.type not in (None, "custom")])
 
 
 def _text(content, where: str) -> str | list[dict]:
@@ -226,8 +253,9 @@ def openai_conversation(req: OAIRequest) -> list[dict]:
     return with_tools(msgs, [t.function.model_dump() for t in req.tools or []])
 
 
-def _anthropic_blocks(role: str, content, where: str) -> list[dict]:
-    """One Anthropic message as canonical messages: tool_result blocks become `tool` messages."""
+def _anthropic_blocks(role: str, content, where: str, ignored: Counter) -> list[dict]:
+    """One Anthropic message as canonical messages: tool_result blocks become `tool` messages; an assistant's thinking
+    block is the reasoning text it stands for (`unseal`), a redacted_thinking block nothing (counted)."""
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     out, text, calls = [], [], []
@@ -235,6 +263,10 @@ def _anthropic_blocks(role: str, content, where: str) -> list[dict]:
         kind = b.get("type")
         if kind == "text" and isinstance(b.get("text"), str) or kind == "image" and role == "user":
             text.append(b)
+        elif kind == "thinking" and role == "assistant" and isinstance(b.get("thinking"), str):
+            text.append({"type": "text", "text": unseal(b.get("signature"), b["thinking"])})
+        elif kind == "redacted_thinking" and role == "assistant":
+            ignored["redacted_thinking"] += 1
         elif kind == "tool_use" and role == "assistant" and isinstance(b.get("name"), str):
             calls.append({"id": str(b.get("id", "")), "name": b["name"], "arguments": b.get("input", {})})
         elif kind == "tool_result" and role == "user":
@@ -248,13 +280,17 @@ def _anthropic_blocks(role: str, content, where: str) -> list[dict]:
     return out
 
 
-def anthropic_conversation(req: ARequest) -> list[dict]:
+def anthropic_conversation(req: ARequest, ignored: Optional[Counter] = None) -> list[dict]:
+    """The canonical conversation of a Messages request; what it gives but is not honoured is counted in `ignored`.
+    Deferred tools (tool search) are not shown to the model, as with the API."""
+    ignored = Counter() if ignored is None else ignored
     _anthropic_options(req)
+    ignored.update(_anthropic_ignored(req))
     msgs = [{"role": "system", "content": _text(req.system, "system")}] if req.system else []
     for i, m in enumerate(req.messages):
-        msgs += _anthropic_blocks(m.role, m.content, f"messages.{i}")
+        msgs += _anthropic_blocks(m.role, m.content, f"messages.{i}", ignored)
     return with_tools(msgs, [{"name": t.name, "description": t.description, "parameters": t.input_schema}
-                              for t in req.tools or []])
+                              for t in req.tools or [] if t.type in (None, "custom") and not t.defer_loading])
 
 
 def same_message(a: dict, b: dict) -> bool:
@@ -390,9 +426,9 @@ def openai_chunks(r: Reply, model: str, include_usage: bool) -> Iterator[str]:
     yield "data: [DONE]\n\n"
 
 
-def openai_error(message: str, status: int, code: Optional[str] = None) -> dict:
+def openai_error(message: str, status: int, code: Optional[str] = None, param: Optional[str] = None) -> dict:
     kind = {401: "authentication_error", 404: "not_found_error"}.get(status, "invalid_request_error")
-    return {"error": {"message": message, "type": kind if status < 500 else "server_error", "param": None,
+    return {"error": {"message": message, "type": kind if status < 500 else "server_error", "param": param,
                       "code": code}}
 
 
@@ -401,8 +437,13 @@ def openai_error(message: str, status: int, code: Optional[str] = None) -> dict:
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
-def anthropic_response(r: Reply, model: str) -> dict:
-    content = [{"type": "text", "text": r.text}] if r.text or not r.tool_calls else []
+def anthropic_response(r: Reply, model: str, omit_thinking: bool = False) -> dict:
+    """A Messages response: its reasoning (if any) as a thinking block whose signature is the handle of the generated
+    text (`display: "omitted"` empties the shown text, as the API does), then text and tool_use blocks."""
+    prefix, rest = r.reasoning
+    content = [{"type": "thinking", "thinking": "" if omit_thinking else thinking_text(prefix),
+                "signature": seal(prefix)}] if prefix else []
+    content += [{"type": "text", "text": rest}] if rest or not r.tool_calls else []
     content += [{"type": "tool_use", "id": t["id"], "name": t["name"], "input": t["arguments"]} for t in r.tool_calls]
     reason = "stop_sequence" if r.stop_sequence is not None else STOP_REASONS[r.finish]
     return {"id": f"msg_{r.id}", "type": "message", "role": "assistant", "model": model, "content": content,
@@ -410,19 +451,25 @@ def anthropic_response(r: Reply, model: str) -> dict:
             "usage": {"input_tokens": r.prompt_tokens, "output_tokens": r.completion_tokens}}
 
 
-def anthropic_events(r: Reply, model: str) -> Iterator[str]:
-    """The reply as named Messages stream events; each block is sent whole in one delta."""
-    full = anthropic_response(r, model)
+_DELTAS = {"text": lambda b: [{"type": "text_delta", "text": b["text"]}],
+           "thinking": lambda b: [{"type": "thinking_delta", "thinking": b["thinking"]}] * bool(b["thinking"])
+           + [{"type": "signature_delta", "signature": b["signature"]}],
+           "tool_use": lambda b: [{"type": "input_json_delta", "partial_json": json.dumps(b["input"])}]}
+_STARTS = {"text": {"text": ""}, "thinking": {"thinking": "", "signature": ""}, "tool_use": {"input": {}}}
+
+
+def anthropic_events(r: Reply, model: str, omit_thinking: bool = False) -> Iterator[str]:
+    """The reply as named Messages stream events; each block is sent whole (a thinking block: its text, then its
+    signature)."""
+    full = anthropic_response(r, model, omit_thinking)
     start = {**full, "content": [], "stop_reason": None, "stop_sequence": None,
              "usage": {"input_tokens": r.prompt_tokens, "output_tokens": 0}}
     yield _sse({"type": "message_start", "message": start}, named=True)
     for i, b in enumerate(full["content"]):
-        text = b["type"] == "text"
-        empty = {"type": "text", "text": ""} if text else {**b, "input": {}}
-        delta = {"type": "text_delta", "text": b["text"]} if text else {"type": "input_json_delta",
-                                                                        "partial_json": json.dumps(b["input"])}
-        yield _sse({"type": "content_block_start", "index": i, "content_block": empty}, named=True)
-        yield _sse({"type": "content_block_delta", "index": i, "delta": delta}, named=True)
+        start = {"type": "content_block_start", "index": i, "content_block": {**b, **_STARTS[b["type"]]}}
+        yield _sse(start, named=True)
+        for delta in _DELTAS[b["type"]](b):
+            yield _sse({"type": "content_block_delta", "index": i, "delta": delta}, named=True)
         yield _sse({"type": "content_block_stop", "index": i}, named=True)
     delta = {"stop_reason": full["stop_reason"], "stop_sequence": full["stop_sequence"]}
     yield _sse({"type": "message_delta", "delta": delta, "usage": {"output_tokens": r.completion_tokens}}, named=True)

@@ -1,4 +1,5 @@
 """ChatAgent wire formats without an engine: request decoding, tool-call parsing, stop strings, templates."""
+import collections
 import json
 
 import pytest
@@ -150,3 +151,58 @@ def test_replies_encode_in_both_protocols():
                                                                              [{"type": "text", "text": "hi"}])
     chunks = list(wire.openai_chunks(r, "policy", include_usage=True))
     assert chunks[-1] == "data: [DONE]\n\n" and '"usage"' in chunks[-2]
+
+
+def test_a_claude_code_request_decodes():
+    """Claude Code's shape: fields and blocks it sends are read; what changes nothing is counted by name; deferred
+    and server tools are not shown; a thinking block is the reasoning its signature holds (or, foreign, its text)."""
+    eph, schema = {"type": "ephemeral"}, {"type": "object"}
+    body = {"model": "m", "max_tokens": 64, "stream": True, "thinking": {"type": "adaptive", "display": "omitted"},
+            "metadata": {"user_id": "{}"}, "context_management": {"edits": []}, "output_config": {"effort": "high"},
+            "system": [{"type": "text", "text": "A"}, {"type": "text", "text": "B", "cache_control": eph}],
+            "tools": [{"name": "add", "input_schema": schema, "cache_control": eph, "eager_input_streaming": True},
+                      {"type": "custom", "name": "note", "input_schema": schema},
+                      {"name": "later", "input_schema": schema, "defer_loading": True},
+                      {"type": "web_search_20250305", "name": "web_search", "max_uses": 1}],
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "q", "cache_control": eph}]},
+                {"role": "system", "content": [{"type": "text", "text": "env", "cache_control": eph}]},
+                {"role": "assistant", "content": [
+                    {"type": "thinking", "thinking": "", "signature": wire.seal("<think>hm</think>\n\n")},
+                    {"type": "redacted_thinking", "data": "x"}, {"type": "text", "text": "ok"},
+                    {"type": "tool_use", "id": "t", "name": "add", "input": {"a": 1}, "cache_control": eph}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "1"}]},
+                {"role": "assistant", "content": [{"type": "thinking", "thinking": "mine", "signature": "Zm9yZWlnbg=="},
+                                                  {"type": "text", "text": "done"}]}]}
+    req = wire.parse_request(wire.ARequest, json.dumps(body).encode())
+    ignored = collections.Counter()
+    convo = wire.anthropic_conversation(req, ignored)
+    assert ignored == {"thinking": 1, "metadata": 1, "context_management": 1, "output_config": 1,
+                       "tools.web_search_20250305": 1, "redacted_thinking": 1}
+    assert req.omit_thinking and [m["role"] for m in convo] == ["system", "user", "system", "assistant", "tool",
+                                                                 "assistant"]
+    shown = [json.loads(line)["function"]["name"] for line in convo[0]["content"].split("<tools>\n")[1].split(
+        "\n</tools>")[0].splitlines()]
+    assert convo[0]["content"].startswith("AB\n\n# Tools") and shown == ["add", "note"]
+    assert convo[3]["content"] == "<think>hm</think>\n\nok" and convo[3]["tool_calls"][0]["arguments"] == {"a": 1}
+    assert convo[5]["content"] == "<think>\nmine\n</think>\n\ndone"  # not our handle: the shown text, wrapped
+    assert wire.parse_request(wire.ACount, json.dumps({k: v for k, v in body.items() if k != "max_tokens"}).encode())
+
+
+@pytest.mark.parametrize("text, calls", [("<think>\nhm\n</think>\n\nHello", []), ("<think>hm</think>", [CALL])])
+@pytest.mark.parametrize("omit", [False, True])
+def test_thinking_blocks_encode_and_read_back_as_the_reply(text, calls, omit):
+    """A reply that starts with reasoning is a thinking block (its text, or none with display "omitted") and its
+    signature; the blocks echoed back decode to the reply's own message, so it is recognised."""
+    content, parsed = wire.parse_tool_calls(text + "".join(calls))
+    r = wire.Reply(content, parsed, "tool_calls" if parsed else "stop", thinks=True)
+    blocks = wire.anthropic_response(r, "p", omit)["content"]
+    assert [b["type"] for b in blocks] == ["thinking"] + (["tool_use"] if calls else ["text"])
+    assert blocks[0]["thinking"] == ("" if omit else "hm") and wire.unseal(blocks[0]["signature"], "") == r.reasoning[0]
+    events = [json.loads(e.split("data: ")[1]) for e in wire.anthropic_events(r, "p", omit)]
+    assert [e["delta"]["type"] for e in events if e["type"] == "content_block_delta" and e["index"] == 0] == \
+           ["thinking_delta"] * (not omit) + ["signature_delta"]
+    assert events[1]["content_block"] == {"type": "thinking", "thinking": "", "signature": ""}
+    echo = {"max_tokens": 4, "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": blocks}]}
+    convo = wire.anthropic_conversation(wire.parse_request(wire.ARequest, json.dumps(echo).encode()))
+    assert wire.same_message(convo[-1], r.message) and convo[-1]["content"] == r.text
