@@ -1,6 +1,7 @@
 """A real single-node Slurm for the cluster tests (slurm_up.sh installs and starts it; needs root and apt)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -47,13 +48,18 @@ def slurm(tmp_path_factory):
 
 
 def job_processes(job_id: str | None = None) -> list[psutil.Process]:
-    """Live processes started by Slurm jobs (they carry SLURM_JOB_ID in their environment); of one job if given."""
-    found = []
+    """Live processes started by Slurm jobs (they carry SLURM_JOB_ID in their environment), and their descendants:
+    vLLM's EngineCore and workers retitle themselves (setproctitle), which blanks their /proc/<pid>/environ; of one
+    job if given."""
+    found: dict[int, psutil.Process] = {}
     for p in psutil.process_iter():
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
             jid = p.environ().get("SLURM_JOB_ID")
-            if jid and job_id in (None, jid) and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return found
+            if jid and job_id in (None, jid):
+                found |= {q.pid: q for q in [p, *p.children(recursive=True)]}
+    live = []
+    for p in found.values():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if p.status() != psutil.STATUS_ZOMBIE:
+                live.append(p)
+    return live
