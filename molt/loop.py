@@ -168,6 +168,7 @@ def ray_session(tmp: str):
     (sockets, logs) inside `tmp`, a 0700 directory (molt/reaper.py private_tmp). A Slurm launcher connects to its
     cluster instead."""
     started, on_sigterm = not ray.is_initialized(), signal.getsignal(signal.SIGTERM)
+    saved = {k: os.environ.get(k) for k in _RAY_ENV} | {"cluster": ray_constants.ENABLE_RAY_CLUSTER}
     if started and os.environ.get("MOLT_RAY_ADDRESS"):  # the job's Ray cluster on Slurm (molt.cluster.allocation)
         ray.init(address=os.environ["MOLT_RAY_ADDRESS"], log_to_driver=True)
     elif started:
@@ -189,6 +190,14 @@ def ray_session(tmp: str):
     finally:
         if started:
             ray.shutdown()
+            # what this process starts next (another run in a test, a Slurm job it submits, whose `ray start` on a
+            # second task would refuse to join a cluster) must not inherit this instance's settings
+            ray_constants.ENABLE_RAY_CLUSTER = saved.pop("cluster")
+            for k, v in saved.items():
+                os.environ.pop(k, None) if v is None else os.environ.update({k: v})
+
+
+_RAY_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")  # ray_session sets them
 
 
 def next_item(queue, fleet: Fleet, stop: threading.Event | None = None):

@@ -4,7 +4,7 @@
 engine start is 20-60 s of the suite's 2 cores). A test that changes its weights restores them
 (tests/rollout/conftest.py `restores_weights`); a test that kills an engine starts its own.
 
-`make test` runs the modules on two workers, the slowest first (SLOW_FIRST). MOLT_TEST_REVERSE=1 runs the collected
+The slowest modules are collected first (SLOW_FIRST: for two workers). MOLT_TEST_REVERSE=1 runs the collected
 tests in reverse order, to show that no test depends on what an earlier one
 left behind in a shared fixture (the rollout tests share one engine):
     MOLT_TEST_REVERSE=1 .venv/bin/python -m pytest tests/rollout
@@ -18,8 +18,8 @@ from molt.config import EngineConfig
 from molt.rollout.engine import group_pids, launch_engines
 
 
-# `make test` runs two workers, each test module whole on one (pytest-xdist --dist loadscope), handed out in
-# collection order: the slowest modules go first, so that no long one starts last beside an idle worker
+# With two workers (make test TEST_ARGS="-n 2 --dist loadscope --no-loadscope-reorder": each test module whole on one,
+# handed out in collection order) the slowest modules go first, so that no long one starts last beside an idle worker
 SLOW_FIRST = ["tests/test_loop.py", "tests/cluster/test_slurm.py", "tests/experiments/test_vision_learns.py",
               "tests/actor/test_parallel.py", "tests/rollout/test_engine.py", "tests/test_loop_parallel.py",
               "tests/agents/test_env.py", "tests/test_checkpoint.py"]

@@ -142,8 +142,11 @@ def listener(answer: bool, key: str):
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_POST(self):
             self.rfile.read(int(self.headers.get("content-length", 0)))
-            procs = [p for p in psutil.process_iter(["environ"]) if key in (p.info["environ"] or {}).values()]
-            groups = {os.getpgid(p.pid) for p in procs}
+            # (process, its environment now): psutil shares Process objects between process_iter calls, so a later
+            # call elsewhere (harness.py looking for strays) overwrites `info` (None once the process is gone)
+            procs = [(p, p.info["environ"]) for p in psutil.process_iter(["environ"])
+                     if key in (p.info["environ"] or {}).values()]
+            groups = {os.getpgid(p.pid) for p, _ in procs}
             seen.append((self.path, {k.lower(): v for k, v in self.headers.items()}, procs, groups))
             if not answer:
                 release.wait(60)
@@ -194,9 +197,9 @@ def test_the_real_cli_reaches_the_rollout_url_and_dies_at_its_deadline(loop, tmp
             run(loop, run_cli(ctx(url), "Create hello.txt", check=lambda work: 1.0, timeout_s=4), timeout=120)
         path_seen, _, procs, groups = seen[0]
         assert procs and path_seen == path
-        env = procs[0].info["environ"]
+        env = procs[0][1]
         assert Path(env["HOME"]) == Path(env[MARK]) / "home" and Path(env["TMPDIR"]) == Path(env[MARK]) / "tmp"
-    assert all(gone(p.pid) for p in procs) and not Path(env[MARK]).exists()
+    assert all(gone(p.pid) for p, _ in procs) and not Path(env[MARK]).exists()
     assert all(group_pids(g) == [] for g in groups)
 
 

@@ -313,6 +313,7 @@ def test_an_engine_on_another_node_is_reached_through_ray(tiny_dir, tmp_path):
     network address. Here on one local Ray node, where the task's resource does not exist and placement is free."""
     from molt.loop import ray_session  # the run's own Ray: token auth, loopback
 
+    ray_env = {k: v for k, v in os.environ.items() if k.startswith("RAY_")}
     with private_tmp() as tmp, ray_session(tmp), launch_engines(engine_cfg(), tiny_dir, tmp_path, tasks=[1]) as (remote,):
         client = remote.client()
         assert pickle.loads(pickle.dumps(client)).host is not None, "the worker's copy goes through Ray too"
@@ -332,3 +333,5 @@ def test_an_engine_on_another_node_is_reached_through_ray(tiny_dir, tmp_path):
             run(client.generate(PROMPT, max_tokens=4))
         remote.restart()
         assert remote.alive() and len(run(client.generate(PROMPT, max_tokens=4)).token_ids) == 4
+    # what this process starts next (a Slurm job whose second task runs `ray start`) inherits none of its settings
+    assert {k: v for k, v in os.environ.items() if k.startswith("RAY_")} == ray_env
