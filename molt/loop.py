@@ -181,9 +181,16 @@ def ray_session(tmp: str):
         ray_constants.ENABLE_RAY_CLUSTER = False
         # Ray opens its temp dir to everyone (0777) as it starts, and again as later processes start: so it lives
         # inside a 0700 directory of ours, which Ray never touches
+        # Ray's processes (the actor, the rollout worker, the agents' code) inherit the raylet's environment: their
+        # temporary files go to `tmp` too. Only theirs: the reaper, started later, sweeps the real TMPDIR
         # address="local": always a fresh instance of our own; never attach to another Ray cluster on the host
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 2), include_dashboard=False,
-                 log_to_driver=True, _temp_dir=os.path.join(tmp, "ray"))
+        outer = {k: os.environ.get(k) for k in ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR")}
+        os.environ.update(reaper.private_env(tmp))
+        try:
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 2), include_dashboard=False,
+                     log_to_driver=True, _temp_dir=os.path.join(tmp, "ray"))
+        finally:
+            _restore(outer)
     signal.signal(signal.SIGTERM, on_sigterm)  # ray.init's crash handler takes SIGTERM and aborts the driver
     try:
         yield
@@ -193,8 +200,12 @@ def ray_session(tmp: str):
             # what this process starts next (another run in a test, a Slurm job it submits, whose `ray start` on a
             # second task would refuse to join a cluster) must not inherit this instance's settings
             ray_constants.ENABLE_RAY_CLUSTER = saved.pop("cluster")
-            for k, v in saved.items():
-                os.environ.pop(k, None) if v is None else os.environ.update({k: v})
+            _restore(saved)
+
+
+def _restore(saved: dict) -> None:
+    for k, v in saved.items():
+        os.environ.pop(k, None) if v is None else os.environ.update({k: v})
 
 
 _RAY_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")  # ray_session sets them

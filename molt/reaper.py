@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import getpass
 import glob
 import os
 import select
@@ -63,6 +64,13 @@ def private_tmp():
     finally:
         shutil.rmtree(root, ignore_errors=True)
         os.close(lock)
+
+
+def private_env(tmp: str) -> dict[str, str]:
+    """The environment that puts a process's temporary files (tempfile.gettempdir()) in `tmp`, while torch's compile
+    cache stays where it was (gettempdir() of this process), shared between runs."""
+    return dict(TMPDIR=tmp, TORCHINDUCTOR_CACHE_DIR=os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+                or os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
 
 
 def sweep() -> None:

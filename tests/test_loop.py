@@ -48,8 +48,10 @@ def run_tmp():
 
 
 def leftovers(tmpdir: str) -> list[str]:
-    """What runs left in their TMPDIR, besides torch's compile cache (meant to outlive a run)."""
-    return sorted(n for n in os.listdir(tmpdir) if not n.startswith("torchinductor_"))
+    """What runs left in their TMPDIR, besides torch's compile cache (meant to outlive a run), with what a directory
+    holds (what left it is rarely in its name)."""
+    return sorted(n + (f"/ {sorted(os.listdir(p))[:8]}" if os.path.isdir(p := os.path.join(tmpdir, n)) else "")
+                  for n in os.listdir(tmpdir) if not n.startswith("torchinductor_"))
 
 
 EXACT = ["rollout.max_lag=0", "rollout.seed=7", "train.save_every=1", f"train.steps={STEPS}", f"eval.every={STEPS}",

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import getpass
 import json
 import os
 import shutil
@@ -23,7 +22,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,7 +32,7 @@ import httpx
 
 from molt.config import EngineConfig
 from molt.net import free_port, on_task
-from molt.reaper import SHM_LIST, private_tmp, shared_memory, unlink
+from molt.reaper import SHM_LIST, private_env, private_tmp, shared_memory, unlink
 from molt.rollout import routes
 from molt.types import Completion, EngineDied
 
@@ -151,10 +149,7 @@ class EngineServer:
                     HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=str(self.cfg.kv_cache_gb),
                     VLLM_CPU_OMP_THREADS_BIND=self.cfg.cpu_threads_bind, VLLM_HTTP_TIMEOUT_KEEP_ALIVE="60",
                     VLLM_CACHE_ROOT=str(Path(self.log_dir) / f"{self.name}.cache"),
-                    TMPDIR=f"{self.tmp}/{self.name}",  # vLLM's tempfile.gettempdir(): ZMQ IPC sockets, FileStore
-                    # torch's compile cache stays where it was (gettempdir() of this process), shared between runs
-                    TORCHINDUCTOR_CACHE_DIR=os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-                    or os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
+                    **private_env(f"{self.tmp}/{self.name}"))  # vLLM's temp files: ZMQ IPC sockets, FileStore
 
     def start(self) -> None:
         assert self.proc is None, f"engine {self.name} already started"

@@ -34,7 +34,7 @@ import pytest
 from molt.agents import chat_wire as wire
 from molt.config import REPO, AgentConfig
 from tests.agents.openai_agents_episode import offline
-from tests.agents.test_chat import (CALL_RE, Recorder, assert_token_exact, client, constrained,  # noqa: F401
+from tests.agents.test_chat import (ANSWER_RE, CALL_RE, Recorder, assert_token_exact, client, constrained,  # noqa: F401
                                     engine, group, loop, model_dir, tok)
 
 AGENTS_PY = REPO / "harnesses/openai-agents/.venv/bin/python"
@@ -42,7 +42,6 @@ EPISODE = REPO / "tests/agents/openai_agents_episode.py"
 TASK = "What is 2 plus 3?"
 # 512: the engine's context; the Agents SDK's episodes (strict tool schemas in the system prompt) take up to 491 of it
 CFG = AgentConfig(mode="chat", max_turns=4, max_tokens_per_turn=160, max_total_tokens=512)
-ANSWER_RE = r"The answer is [0-9]{1,2}\."  # bounded: a random model under test_chat's `[0-9]+` may fill the context
 
 
 @pytest.fixture()

@@ -311,10 +311,14 @@ def test_an_engine_on_another_node_is_reached_through_ray(tiny_dir, tmp_path):
     """cluster.engine_tasks: an engine placed on another Slurm task runs in an EngineHost there, on a Unix socket in a
     0700 directory, and every request (generation, sync, restart) goes through Ray: the engine listens on no
     network address. Here on one local Ray node, where the task's resource does not exist and placement is free."""
+    import ray
+
     from molt.loop import ray_session  # the run's own Ray: token auth, loopback
 
     ray_env = {k: v for k, v in os.environ.items() if k.startswith("RAY_")}
     with private_tmp() as tmp, ray_session(tmp), launch_engines(engine_cfg(), tiny_dir, tmp_path, tasks=[1]) as (remote,):
+        assert ray.get(ray.remote(tempfile.gettempdir).remote()) == tmp != os.environ.get("TMPDIR", "/tmp"), \
+            "Ray's processes keep their temporary files in the run's directory; the driver's TMPDIR is left as it was"
         client = remote.client()
         assert pickle.loads(pickle.dumps(client)).host is not None, "the worker's copy goes through Ray too"
         assert len(run(client.generate(PROMPT, max_tokens=4)).token_ids) == 4
