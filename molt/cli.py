@@ -37,11 +37,12 @@ def task(cfg: DictConfig) -> None:
         return
     from molt.cluster import allocation
     from molt.loop import Interrupted, run  # heavy imports (torch, vllm, ray) only for a real run
+    from molt.tracking import TERMINATED
     from molt.types import EngineDied
 
     # SIGTERM (a scheduler, `kill`) unwinds like Ctrl-C, so every `finally` stops what it started,
     # engines included, even while they are still starting
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    signal.signal(signal.SIGTERM, lambda *_: (TERMINATED.append(signal.SIGTERM), sys.exit(128 + signal.SIGTERM)))
     logging.captureWarnings(True)  # Python warnings go to the run log too
     try:
         with allocation(cfg) as runs_the_loop:  # on Slurm: Ray on every task, the loop on task 0
@@ -56,6 +57,9 @@ def task(cfg: DictConfig) -> None:
         log.warning(f"molt: {e}" if isinstance(e, Interrupted) else "molt: interrupted before training started")
         sys.exit(130)
     except Exception:  # Hydra would print the traceback on the terminal only: the run log keeps it too
+        if TERMINATED:  # SIGTERM landed in code that turned it into its own exception (a checkpoint being written)
+            log.warning("molt: terminated (SIGTERM); resume=true continues from the last checkpoint")
+            sys.exit(128 + signal.SIGTERM)
         log.exception("molt: the run failed")
         sys.exit(1)
 

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 log = logging.getLogger(__name__)
 # what a step's line shows (name in the line: MLflow key); `eval` only on the steps that evaluated
+TERMINATED: list[int] = []  # the termination signal the driver received (cli.py), whatever exception it became
 STEP_LINE = {"reward": "reward/mean", "eval": "eval/reward", "loss": "loss/policy",
              "mismatch": "mismatch/logprob_abs_max", "stale": "staleness/mean", "failed": "rollout/failed",
              "tok/s": "throughput/tokens_per_s", "s/step": "time/step"}
@@ -78,14 +79,15 @@ def mlflow_run(cfg, extra_params: dict, resume_run: bool = False):
         try:
             with reaper.watching(uri, run.info.run_id):
                 yield run
-        except (KeyboardInterrupt, SystemExit):
-            mlflow.end_run("KILLED")
+        except BaseException as e:  # a signal, even one a library turned into its own exception (torch's
+            if isinstance(e, (KeyboardInterrupt, SystemExit)) or TERMINATED:  # checkpoint writer does)
+                mlflow.end_run("KILLED")
             raise
     log.info(summary(cfg, uri, run.info.run_id))
 
 
 def summary(cfg, uri: str, run_id: str) -> str:
-    """Reward start -> end, eval, steps, wall time, and where the run's records are."""
+    """Reward start -> end, eval, steps, wall time, and where the run's records (and its last page) are."""
     import mlflow
 
     client = mlflow.MlflowClient(uri)

@@ -1,5 +1,5 @@
 """molt/reaper.py sweep: what a SIGKILLed run left in /dev/shm goes at the next start (or when its reaper is done),
-and nothing of a live run does."""
+and nothing of a live run does; a signalled run is marked KILLED in MLflow."""
 import os
 import shutil
 import subprocess
@@ -7,6 +7,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+import mlflow
+import pytest
+from omegaconf import OmegaConf
+
+from molt import tracking
 from molt.reaper import sweep
 
 
@@ -47,3 +52,16 @@ def test_sweep_removes_what_the_engines_of_a_killed_run_noted_in_dev_shm(tmp_pat
     finally:
         child.kill()
         seg.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("signalled", [False, True])
+def test_a_signal_a_library_turned_into_its_own_exception_still_marks_the_run_killed(tmp_path, monkeypatch, signalled):
+    """torch's checkpoint writer catches the SystemExit of a SIGTERM (a scancel during a save) and raises its own
+    CheckpointException: the MLflow run is KILLED all the same, as the signal made it; an error alone is FAILED."""
+    cfg = OmegaConf.create({"output_dir": str(tmp_path), "checkpoint_dir": str(tmp_path / "ck"), "resume": False,
+                            "name": "signals", "mlflow_uri": None})
+    monkeypatch.setattr(tracking, "TERMINATED", [15] if signalled else [])
+    with pytest.raises(RuntimeError), tracking.mlflow_run(cfg, {}) as run:
+        raise RuntimeError("CheckpointException ranks: dict_keys([0])")
+    status = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(run.info.run_id).info.status
+    assert status == ("KILLED" if signalled else "FAILED")
