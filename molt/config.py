@@ -121,7 +121,7 @@ class TrainConfig:
     micro_batch_rows: int = 1  # rows per forward/backward (gradient accumulation inside a step)
     save_every: int = 0  # checkpoint every N steps (0 = only at the end)
     log_every: int = 10  # a line of main metrics on the terminal and in molt.log every N steps (MLflow gets all, every step)
-    dump_rollouts: Optional[str] = None  # directory: write every trained group as JSONL
+    dump_rollouts: Optional[str] = None  # directory: write every step's rollouts as JSONL (trained and failed)
     num_threads: int = 0  # torch intra-op threads for the actor (0 = torch default)
     activation_checkpointing: bool = False  # recompute decoder layers in backward (GPU memory; see actor/speed.py)
     compile: bool = False  # torch.compile the decoder layers and the log-prob head (GPU speed; see actor/speed.py)
@@ -161,6 +161,14 @@ class EvalConfig:
     every: int = 0  # evaluate on the held-out split every N steps (0 = never)
     max_samples: int = 64
     temperature: float = 0.0
+
+
+@dataclass
+class ViewConfig:
+    """Trajectory pages (molt/view.py): <output_dir>/view/step_N.html, each also an MLflow artifact (view/)."""
+
+    every: Optional[int] = None  # a page every N steps and at the last (None: on eval.every's steps; 0: no page)
+    max_tokens: int = 500_000  # tokens on one page (~13 bytes each); the table lists every rollout (0 = no cap)
 
 
 @dataclass
@@ -213,6 +221,7 @@ class RunConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    view: ViewConfig = field(default_factory=ViewConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     is_correction: IsCorrectionConfig = field(default_factory=IsCorrectionConfig)
     filter: FilterConfig = field(default_factory=FilterConfig)

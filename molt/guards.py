@@ -128,6 +128,11 @@ def kl_coef(cfg, hf):
         return f"train.kl_coef={cfg.train.kl_coef}: the KL penalty's weight must be >= 0 (0 = no reference model)"
 
 
+def view_every(cfg, hf):
+    if cfg.view.every is not None and cfg.view.every < 0:
+        return f"view.every={cfg.view.every}: a page every N steps needs N >= 0 (0 = no page, null = eval.every's steps)"
+
+
 def is_correction_names(cfg, hf):
     from molt.algo.correction import LEVELS, MODES
 
@@ -383,7 +388,7 @@ def cp_with_images(cfg, hf):
 GUARDS = [fsdp_sizes, fsdp_offload, slurm_resources, container_image, ranks_fit_cluster, single_node, micro_batch_rows,
           cp_splits_rows,
           model_recipe, model_dir, ep_on_dense, ep_divides_experts, cpu_head_dim, estimator_known,
-          estimator_fits, loss_known, sequences_on_one_rank, kl_coef,
+          estimator_fits, loss_known, sequences_on_one_rank, kl_coef, view_every,
           is_correction_names, is_correction_band, is_correction_seq_mode, filter_needs_group, max_lag, temperature,
           replay_needs_experts, replay_needs_routes, routes_need_gpu, sync_path, engines, context_fits, agent_mode,
           agent_module, agent_harness, task_files, task_renders, batch_fits_inflight, cp_full_attention, cp_with_images,

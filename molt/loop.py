@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from queue import Empty
 
+import mlflow
 import ray
 import torch
 from ray._private import ray_constants
@@ -30,7 +31,7 @@ from omegaconf import OmegaConf
 from ray.util.queue import Queue
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from molt import checkpoint, cluster, guards, net, reaper, tracking
+from molt import checkpoint, cluster, guards, net, reaper, tracking, view
 from molt.actor.group import run_actor
 from molt.agents.pool import RolloutWorker
 from molt.algo.advantages import ESTIMATORS, compute_advantages, helper_targets, token_tables, untable
@@ -71,22 +72,23 @@ def train(cfg, model_dir: Path, engines, stop: threading.Event) -> None:
     ray.get(worker.start.remote(position))
     bar = tracking.progress(version, cfg.train.steps)
     for step in bar:
-        clock = Clock()
+        clock, failed = Clock(), []  # failed: this step's failed rollouts, not trained, shown on its page
         with clock("wait"):
-            groups, counts = collect(lambda: next_item(queue, fleet, stop), cfg, version, refund=worker.grant.remote)
+            groups, counts = collect(lambda: next_item(queue, fleet, stop), cfg, version, worker.grant.remote, failed)
         if groups is None:  # Ctrl-C: stop between two steps, where the state is consistent
             raise Interrupted(step, checkpoint.save(cfg.checkpoint_dir, step, actor, position, model_dir)
                               if step else None, cfg.checkpoint_dir)
         position += counts["groups"]
         with clock("train"):
-            prep = prepare(groups, cfg, actor)
-            metrics = actor.train_step(prep.segments, prep.advantages, cfg.rollout.temperature)
+            prep, page = prepare(groups, cfg, actor), view.due(cfg, step)
+            metrics = actor.train_step(prep.segments, prep.advantages, cfg.rollout.temperature, page)
             metrics |= actor.train_helpers(prep.segments, prep.helper_targets)
         with clock("sync"):
             probe = fleet.sync(version + 1, prep.segments[0])
         version += 1
         worker.grant.remote(len(groups))  # after the sync: the next groups start on the new weights
-        dump_rollouts(cfg, groups, prep.advantages, step)
+        with clock("view"):
+            record(cfg, groups, failed, prep.advantages, step, actor.kept_logprobs() if page else None, model_dir)
         metrics |= maybe_eval(cfg, worker, fleet, step)
         metrics |= prep.metrics | rollout_metrics(groups, counts, version, probe) | clock.metrics()
         metrics |= {"engine/restarts": fleet.total} | fleet.cache_metrics()
@@ -222,10 +224,11 @@ def next_item(queue, fleet: Fleet, stop: threading.Event | None = None):
             return queue.get(timeout=2.0)
 
 
-def collect(pop, cfg, version: int, refund):
+def collect(pop, cfg, version: int, refund, failed: list | None = None):
     """Pop groups until `groups_per_step` usable ones are in hand; drop stale and failed ones, and (filter.enabled)
     groups whose rewards are all equal. A dropped group's credit is refunded at once, so that its replacement
-    starts on the current weights and the step can still fill (with max_lag=0 every credit is needed)."""
+    starts on the current weights and the step can still fill (with max_lag=0 every credit is needed). The failed
+    rollouts are appended to `failed` (for the step's records)."""
     kept, counts, why = [], Counter(), Counter()  # counts: groups consumed, rollouts failed/retried, groups dropped
     budget = 10 * cfg.train.groups_per_step * cfg.rollout.n  # bound: a task that always fails stops the run
     while len(kept) < cfg.train.groups_per_step:
@@ -239,6 +242,8 @@ def collect(pop, cfg, version: int, refund):
         counts["failed"] += len(group.rollouts) - len(ok)
         counts["retried"] += sum(r.info.get("retried", 0.0) > 0 for r in group.rollouts)
         why.update(r.error or "(no reason given)" for r in group.rollouts if r.status == "failed")
+        if failed is not None:
+            failed += [r for r in group.rollouts if r.status == "failed"]
         if counts["failed"] > budget:
             raise RuntimeError(f"{counts['failed']} rollouts failed in one step, most often: {why.most_common(1)[0][0]}")
         if group.min_version >= 0 and version - group.min_version > cfg.rollout.max_lag:
@@ -347,20 +352,16 @@ def restore(cfg, actor) -> tuple[int, int]:
     return state["step"], state["data_position"]
 
 
-def dump_rollouts(cfg, groups, advantages, step: int) -> None:
-    """Append every trained group as JSONL lines (one per rollout); format in the README."""
-    if not cfg.train.dump_rollouts:
+def record(cfg, groups, failed, advantages, step: int, kept, model_dir) -> None:
+    """The step's rollouts as records (molt/view.py): appended to the dump (train.dump_rollouts), and on a page step
+    (kept: the actor's log-probs the train step kept) shown on <output_dir>/view/step_N.html, an MLflow artifact."""
+    if not cfg.train.dump_rollouts and kept is None:
         return
-    out = Path(cfg.train.dump_rollouts)
-    out.mkdir(parents=True, exist_ok=True)
-    adv = iter(advantages)
-    with open(out / "rollouts.jsonl", "a") as f:
-        for g in groups:
-            for r in g.rollouts:
-                segs = [{"token_ids": s.token_ids, "loss_mask": s.loss_mask, "logprobs": s.logprobs,
-                         "versions": s.versions, "advantage": next(adv),
-                         "routed_experts": None if s.routed_experts is None else s.routed_experts.tolist(),
-                         "images": [im.record() for im in s.images]}
-                        for s in r.segments]
-                f.write(json.dumps({"step": step, "group_id": g.group_id, "rollout_id": r.rollout_id,
-                                    "reward": r.reward, "status": r.status, "info": r.info, "segments": segs}) + "\n")
+    records = view.records(groups, failed, advantages, step, kept, cfg.is_correction)
+    if cfg.train.dump_rollouts:
+        Path(cfg.train.dump_rollouts).mkdir(parents=True, exist_ok=True)
+        with open(Path(cfg.train.dump_rollouts) / "rollouts.jsonl", "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+    if kept is not None:
+        page = view.write(Path(cfg.output_dir) / "view", records, step, str(model_dir), cfg.view.max_tokens)
+        mlflow.log_artifact(str(page), "view")

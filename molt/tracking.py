@@ -102,6 +102,9 @@ def summary(cfg, uri: str, run_id: str) -> str:
                      + (f"   eval {evals[-1].value:.3f} (step {evals[-1].step})" if evals else ""))
     lines += [f"  mlflow  {uri}  (run {run_id})", f"  ckpt    {cfg.checkpoint_dir}",
               f"  open    mlflow ui --backend-store-uri {uri}"]
+    pages = sorted((Path(cfg.output_dir) / "view").glob("step_*.html"))  # molt/view.py's trajectory pages
+    if pages:
+        lines.append(f"  view    {pages[-1]}  ({len(pages)} pages: molt-view {cfg.output_dir})")
     return "\n".join(lines)
 
 

@@ -59,6 +59,7 @@ CASES = [
     ("estimator_fits", [*OPD, "filter.enabled=true"], "estimator=opd does not use"),
     ("estimator_fits", ["estimator=gae", "estimator.lam=1.5"], "lam=1.5"),
     ("kl_coef", ["train.kl_coef=-0.1"], "train.kl_coef=-0.1"),
+    ("view_every", ["view.every=-1"], "view.every=-1"),
     ("is_correction_names", ["is_correction.level=tok"], "is_correction.level='tok'"),
     ("is_correction_names", ["is_correction.mode=cap"], "is_correction.mode='cap'"),
     ("is_correction_band", ["is_correction.level=token", "is_correction.low=1.1"], "is_correction.low=1.1"),

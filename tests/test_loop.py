@@ -13,12 +13,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlflow
 import psutil
 import pytest
 
-from molt import checkpoint
+from molt import checkpoint, view
+from tests.test_view import MOLT_VIEW, Dom, browse, chromium, page_rollouts  # noqa: F401 (fixture)
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 24  # a tiny step takes 0.2-0.6 s, and the exact-resume test's Ctrl-C after step 4's checkpoint must land first
@@ -55,7 +57,7 @@ def leftovers(tmpdir: str) -> list[str]:
 
 
 EXACT = ["rollout.max_lag=0", "rollout.seed=7", "train.save_every=1", f"train.steps={STEPS}", f"eval.every={STEPS}",
-         "eval.max_samples=8", "train.log_every=2"]
+         "eval.max_samples=8", "train.log_every=2", "is_correction.level=token"]  # pages (view.every) at 0 and 23
 
 
 @pytest.fixture(scope="module")
@@ -110,13 +112,113 @@ def test_dumped_rollouts_are_token_first(first_run):
     rows = [json.loads(line) for line in open(first_run / "dump" / "rollouts.jsonl")]
     assert {r["step"] for r in rows} == set(range(STEPS))
     for r in rows:
-        for s in r["segments"]:
+        for s in r["segments"] if r["status"] != "failed" else ():  # failed rollouts are dumped, not trained
             n = len(s["token_ids"])
             assert len(s["loss_mask"]) == len(s["logprobs"]) == len(s["versions"]) == n
             gen = [i for i, m in enumerate(s["loss_mask"]) if m]
             assert gen, "every kept rollout generated tokens"
             assert all(s["versions"][i] == r["step"] for i in gen), "max_lag=0: sampled by the current weights"
             assert all(s["logprobs"][i] == 0.0 and s["versions"][i] == -1 for i in range(n) if i not in gen)
+
+
+PAGES = (0, STEPS - 1)  # first_run's trajectory pages (view.every follows eval.every=STEPS, and the last step)
+
+
+@pytest.fixture(scope="module")
+def paged(first_run):
+    """first_run as the trajectory-page tests read it (issue 28; the page itself: tests/test_view.py)."""
+    return SimpleNamespace(dir=first_run / "run1", dump=first_run / "dump", stdout=(first_run / "terminal.txt").read_text(),
+                           rows=[json.loads(line) for line in open(first_run / "dump" / "rollouts.jsonl")])
+
+
+def test_run_writes_pages_on_its_page_steps_names_them_and_logs_them(paged):
+    pages = sorted((paged.dir / "view").glob("*.html"))
+    assert [p.name for p in pages] == [f"step_{s:07d}.html" for s in PAGES]
+    assert f"view    {pages[-1]}  (2 pages: molt-view {paged.dir})" in paged.stdout, paged.stdout[-2000:]
+    client, mlrun, _ = history(paged.dir)
+    assert sorted(a.path for a in client.list_artifacts(mlrun.info.run_id, "view")) == [
+        f"view/{p.name}" for p in pages]
+    times = client.get_metric_history(mlrun.info.run_id, "time/view")
+    print("time/view per step:", [round(m.value, 3) for m in sorted(times, key=lambda m: m.step)])
+
+
+def test_dump_keeps_the_train_steps_actor_logprobs_and_is_weights_on_page_steps(paged):
+    """On a page step every trained segment carries the actor's log-probs its loss used: the largest |actor -
+    engine| over them is the step's own mismatch/logprob_abs_max metric; the IS weights are exp(actor - engine) in
+    the band (nothing gated at max_lag=0), 0 off the mask. Other steps keep none; failed rollouts are dumped too."""
+    client, mlrun, _ = history(paged.dir)
+    metric = {m.step: m.value for m in client.get_metric_history(mlrun.info.run_id, "mismatch/logprob_abs_max")}
+    for step in (*PAGES, 1):
+        trained = [r for r in paged.rows if r["step"] == step and r["status"] != "failed"]
+        segs = [s for r in trained for s in r["segments"]]
+        assert trained and all(s["advantage"] is not None for s in segs)
+        if step == 1:
+            assert all(s["actor_logprobs"] is None and s["is_weights"] is None for s in segs)
+            continue
+        gaps = [abs(a - b) for s in segs for a, b, m in zip(s["actor_logprobs"], s["logprobs"], s["loss_mask"]) if m]
+        assert max(gaps) == pytest.approx(metric[step], abs=1e-7) and max(gaps) <= 1e-4
+        for s in segs:
+            assert all(a == 0.0 for a, m in zip(s["actor_logprobs"], s["loss_mask"]) if not m)
+            assert all((w == pytest.approx(2.718281828 ** (a - b), rel=1e-5)) if m else w == 0.0
+                       for a, b, w, m in zip(s["actor_logprobs"], s["logprobs"], s["is_weights"], s["loss_mask"]))
+    failed = [r for r in paged.rows if r["status"] == "failed"]
+    assert failed and all("flaky env" in r["error"] and r["segments"][0]["advantage"] is None for r in failed)
+
+
+def test_chromium_shows_the_rows_and_a_rollout_coloured_by_its_signal(paged, chromium, tmp_path):
+    step = next(s for s in PAGES if {r["status"] == "failed" for r in paged.rows if r["step"] == s} == {True, False})
+    page = paged.dir / "view" / f"step_{step:07d}.html"
+    rows = [r for r in paged.rows if r["step"] == step]
+    dom = Dom(browse(chromium, page))
+    trs = dom.find("tr", under=dom.one(id="rows"))
+    assert sorted(tr["attrs"]["data-id"] for tr in trs) == sorted(r["rollout_id"] for r in rows)
+    assert {"failed" in tr["attrs"]["class"] for tr in trs} == {True, False}
+    assert all("flaky env" in tr["text"] for tr in trs if "failed" in tr["attrs"]["class"])
+
+    for sign, colour in ((1, "33, 102, 172"), (-1, "214, 39, 40")):  # advantage > 0 blue, < 0 red
+        r = next(r for r in rows if r["status"] != "failed" and sign * r["segments"][0]["advantage"] > 0.05)
+        dom = Dom(browse(chromium, page, f"#r={r['rollout_id'].replace('/', '%2F')}&s=adv"))
+        shown = dom.one(id="view")
+        tokens = dom.find("span", cls="g", under=shown)
+        assert len(tokens) == r["info"]["gen_tokens"] > 0
+        assert all(f"rgba({colour}," in t["attrs"]["style"] for t in tokens), tokens[0]["attrs"]
+        assert all("actor − engine log-prob: " in t["attrs"]["title"] and "log-prob: –" not in t["attrs"]["title"]
+                   for t in tokens)
+        prompt = dom.one(cls="prompt", under=shown)
+        assert "Count" in prompt["text"] or "count" in prompt["text"]
+        assert not dom.find("span", under=prompt), "prompt tokens are plain text"
+
+    dom = Dom(browse(chromium, page, "#f=failed&s=d"))
+    assert all("failed" in tr["attrs"]["class"] for tr in dom.find("tr", under=dom.one(id="rows")))
+    assert "no actor − engine log-prob for this rollout" in dom.one(id="view")["text"]
+
+    shot = tmp_path / f"step_{step:07d}.png"
+    browse(chromium, page, "#f=top&s=d", f"--screenshot={shot}", "--window-size=1400,900")
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+    print(f"screenshot: {shot}")
+
+
+def test_page_holds_no_external_url(paged):
+    for page in (paged.dir / "view").glob("*.html"):
+        html = page.read_text()
+        assert "default-src 'none'" in html  # the page's CSP: the browser loads nothing, whatever the page holds
+        assert not re.search(r"https?:|//[\w.-]+\.[a-z]{2,}/|\b(src|href|action)\s*=|url\(|@import", html, re.I), page
+
+
+def test_molt_view_lists_and_rebuilds_pages_from_the_dump(paged, chromium, tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    listed = subprocess.run([MOLT_VIEW, paged.dir], capture_output=True, text=True, env=env, check=True).stdout.split()
+    assert listed == [str(p) for p in sorted((paged.dir / "view").glob("*.html"))]
+    built = subprocess.run([MOLT_VIEW, paged.dir, "--step", "1", "--out", tmp_path], capture_output=True, text=True,
+                           env=env, check=True)
+    page = Path(built.stdout.strip())
+    assert page == tmp_path / "step_0000001.html"
+    assert len(page_rollouts(page)) == len([r for r in paged.rows if r["step"] == 1])
+    assert "no actor − engine log-prob" in Dom(browse(chromium, page, "#s=d")).one(id="view")["text"]
+    out = subprocess.run([MOLT_VIEW, paged.dump, "--tokenizer", str(Path(view.__file__).parents[1] / "assets" / "tiny"),
+                          "--out", tmp_path / "dump"], capture_output=True, text=True, env=env, check=True).stdout.strip()
+    assert Path(out) == tmp_path / "dump" / f"step_{PAGES[-1]:07d}.html"
+    assert page_rollouts(Path(out)) == page_rollouts(paged.dir / "view" / f"step_{PAGES[-1]:07d}.html")
 
 
 def assert_private(driver: int, family: list) -> None:
@@ -207,7 +309,7 @@ def test_chat_agent_mode_trains_through_the_loop(tmp_path):
     client, run, hist = history(tmp_path / "run")
     assert run.data.params["agent.mode"] == "chat" and len(hist("reward/mean")) == 2 and hist("eval/reward")
     assert max(hist("mismatch/logprob_abs_max")) <= 1e-4, "the chat path recorded exactly what the engine sampled"
-    rows = [json.loads(line) for line in open(tmp_path / "dump" / "rollouts.jsonl")]
+    rows = [json.loads(line) for line in open(tmp_path / "dump" / "rollouts.jsonl") if '"status": "failed"' not in line]
     assert len(rows) == 2 * 2 * 4 and all(any(s["loss_mask"]) for r in rows for s in r["segments"])
 
 

@@ -20,7 +20,8 @@ from molt.actor import attention, context, loading, parallel, speed, vision
 from molt.actor import replay as replay_mod
 from molt.actor.master import MasterAdamW
 from molt.actor.state import load_models, save_models
-from molt.actor.pack import NO_TARGET, align_next, cp_slice, micro_batches, pack, to_device, unalign
+from molt.actor.pack import (NO_TARGET, align_next, cp_slice, micro_batches, pack, scatter_loss_tokens, to_device,
+                              unalign)
 from molt.algo.loss import Objective, combine
 from molt.types import Batch, Segment
 
@@ -152,6 +153,7 @@ class Actor:
         self.objective = objective or Objective()
         self.helpers: dict = {}
         self.transfer = None  # engine.sync=nccl: the trainer side of the engines' group (molt/sync/nccl.py)
+        self.kept: list[list[float]] | None = None  # train_step(keep_logprobs=True): per segment, its log-probs
         self.model = self.build(model_dir, trainable=True, replay=train.routing_replay)
         self.optimizer = self.adamw(self.model, train.lr)
 
@@ -190,10 +192,15 @@ class Actor:
         return model
 
     def backward(self, segments: list[Segment], advantages: list, temperature: float = 1.0,
-                 num_loss_tokens: int | None = None, num_sequences: int | None = None) -> dict[str, float]:
+                 num_loss_tokens: int | None = None, num_sequences: int | None = None,
+                 keep: torch.Tensor | None = None) -> dict[str, float]:
         """Accumulate the batch's policy gradient into .grad (no step). num_loss_tokens and num_sequences
-        (segments with loss tokens) default to this batch's counts; data-parallel callers pass all-ranks totals."""
+        (segments with loss tokens) default to this batch's counts; data-parallel callers pass all-ranks totals.
+        keep: every segment's tokens end to end, on the device; the loss tokens this rank computes get the log-prob
+        its loss used."""
         batch = pack(segments, advantages, self.cfg.row_tokens)
+        if keep is not None:
+            starts = torch.tensor([0] + [len(s.token_ids) for s in segments], device=self.device).cumsum(0)
         local_loss_tokens = int(batch.loss_mask.sum())
         n = num_loss_tokens or local_loss_tokens
         if n == 0:
@@ -209,6 +216,8 @@ class Actor:
                 logp, entropy = token_logprobs(self.model, mb, temperature, loss_only=True, entropy=True)  # (r, t) x 2
                 loss, metrics = self.objective(logp, entropy, mb, n, n_seq, **aux)
                 loss.backward()
+            if keep is not None:
+                scatter_loss_tokens(keep, mb, logp.detach(), starts)
             gap = (logp.detach() - mb.behaviour_logp).abs() * mb.loss_mask  # (r, t), before any update
             metrics |= {"mismatch/logprob_abs_mean": gap.sum() / n, "mismatch/logprob_abs_max": gap.max()}
             totals = combine(totals, metrics)
@@ -222,15 +231,34 @@ class Actor:
             totals = parallel.reduce_metrics(totals, self.device)
         return dict(zip(totals, torch.stack([v.float() for v in totals.values()]).tolist())) if totals else {}
 
-    def train_step(self, segments: list[Segment], advantages: list, temperature: float = 1.0) -> dict[str, float]:
+    def train_step(self, segments: list[Segment], advantages: list, temperature: float = 1.0,
+                   keep_logprobs: bool = False) -> dict[str, float]:
+        """One optimizer step on the batch. keep_logprobs: also keep the actor's log-prob of every generated token
+        as this step's loss saw it (before the update), for kept_logprobs (the trajectory page, molt/view.py); it
+        costs a gather over the ranks and a transfer, so only the steps that show it ask."""
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = self.backward(segments, advantages, temperature)
+        lengths = [len(s.token_ids) for s in segments]
+        keep = torch.full((sum(lengths),), -math.inf, device=self.device) if keep_logprobs else None
+        metrics = self.backward(segments, advantages, temperature, keep=keep)
+        self.kept = None if keep is None else self._gathered(keep, lengths)
         norm = float(self.clip_grads(self.model.parameters(), self.optimizer))
         if not math.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"gradient norm is {norm}; step skipped (lower train.lr or set train.grad_clip)")
         self.optimizer.step()
         return dict(metrics, grad_norm=norm)
+
+    def _gathered(self, keep: torch.Tensor, lengths: list[int]) -> list[list[float]]:
+        """Kept log-probs from every rank (each loss token was computed by one rank, -inf elsewhere: a max gathers
+        them), one list per segment, 0.0 off the loss mask as the behaviour log-probs are."""
+        if self.mesh is not None:
+            keep = parallel.reduce_metrics({"kept_max": keep}, self.device)["kept_max"]
+        keep = torch.where(torch.isneginf(keep), 0.0, keep).cpu()
+        return [x.tolist() for x in keep.split(lengths)]
+
+    def kept_logprobs(self) -> list[list[float]] | None:
+        """Per segment, the actor's log-probs of the last train_step(keep_logprobs=True); None if it kept none."""
+        return self.kept
 
     def train_helpers(self, segments: list[Segment], targets: dict[str, list[list[float]]]) -> dict[str, float]:
         """One step of every trainable helper that has per-token targets this step (the gae critic's returns)."""

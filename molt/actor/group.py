@@ -81,7 +81,8 @@ class ActorGroup:
     (molt/actor/state.py); `load` restores from a checkpoint written by any layout."""
 
     # the Actor methods the loop and the checkpoint call on a group: each a collective over the ranks
-    METHODS = {"train_step", "train_helpers", "logprobs", "score", "export_weights", "save", "load", "apply"}
+    METHODS = {"train_step", "train_helpers", "logprobs", "score", "export_weights", "save", "load", "apply",
+               "kept_logprobs"}
 
     def __init__(self, cfg, model_dir):
         import ray

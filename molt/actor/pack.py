@@ -104,6 +104,15 @@ def micro_batches(batch: Batch, rows: int) -> list[Batch]:
     return out
 
 
+def scatter_loss_tokens(flat: torch.Tensor, mb: Batch, values: torch.Tensor, starts: torch.Tensor) -> None:
+    """Write values (r, t) at a micro-batch's loss tokens into `flat`, every segment's tokens end to end (segment i
+    from starts[i]). Placed by segment id and position (input-side columns), so right in either alignment and for
+    any rank's rows or context-parallel slice."""
+    rows, cols = mb.loss_mask.bool().nonzero(as_tuple=True)
+    pos = mb.position_ids[rows, cols] + (0 if mb.targets is None else 1)  # next-token alignment: t predicts t + 1
+    flat[starts[mb.segment_ids[rows, cols]] + pos] = values[rows, cols].to(flat.dtype)
+
+
 def to_device(batch: Batch, device) -> Batch:
     return batch.map(lambda _, x: x.to(device))
 
