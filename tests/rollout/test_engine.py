@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from molt.reaper import private_tmp
 from molt.rollout.engine import EngineClient, group_pids, launch_engines, server_cmd
-from molt.sync.reload import sync_weights, verify_sync, write_checkpoint
+from molt.sync.reload import paused, sync_weights, verify_sync, write_checkpoint
 from molt.types import EngineDied
 from tests.rollout.conftest import PROBE, TIMINGS, engine_cfg, run
 
@@ -101,6 +101,18 @@ def test_seeded_requests_whose_prompts_overflow_a_step_give_their_seeds_tokens(e
     assert [[o.token_ids for o in outs] for outs in together[:2]] == [[o.token_ids for o in outs] for outs in alone]
 
 
+LONG = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 400, "logprobs": 0, "ignore_eos": True,
+                                                 "detokenize": False}}  # a reply that cannot stop early
+
+
+async def long_reply(c) -> asyncio.Task:
+    """A 400-token reply in flight: its task's result is the Completion."""
+    async def go():
+        _, text = await c.send("POST", "/inference/v1/generate", json=LONG)
+        return c._completion(json.loads(text)["choices"][0], len(PROMPT))
+    return asyncio.create_task(go())
+
+
 async def until_running(c, task: asyncio.Task, timeout_s: float = 60) -> None:
     """Wait until the engine generates for a request (its /metrics), so a sync that follows finds it in flight."""
     deadline = time.monotonic() + timeout_s
@@ -125,7 +137,7 @@ def test_weight_sync_reload(engine, hf_model, tmp_path):
     async def main():
         c = engine.client()
         assert max_diff(await c.prompt_logprobs(PROBE), old) < 1e-4
-        inflight = asyncio.create_task(c.generate(PROMPT, max_tokens=400))
+        inflight = await long_reply(c)  # ignore_eos: a random model's early eos would leave nothing in flight
         await until_running(c, inflight)
         TIMINGS["sync tiny model (s)"] = await sync_weights([c], sd, 1, tmp_path)
         done = await inflight  # pause(wait) lets it finish on the old weights rather than aborting it
@@ -151,18 +163,21 @@ def test_pause_keep_labels_each_token_with_the_weights_that_sampled_it(engine, h
     sd["lm_head.weight"] *= 0.5
     new_model = copy.deepcopy(hf_model)
     new_model.load_state_dict(sd)
-    body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 400, "logprobs": 0, "ignore_eos": True,
-                                                     "detokenize": False}}
+    new_dir = tmp_path / "new"
+    new_dir.mkdir()
+    write_checkpoint(sd, new_dir)  # written before: on busy cores, writing can outlast the whole reply
+    (tmp_path / "sync").mkdir()
 
     async def attempt(c, wait_s: float):
-        """A 400-token reply with a keep-sync `wait_s` after it was sent: (old version, completion)."""
+        """A 400-token reply with a keep-sync (sync_weights' pause and reload) `wait_s` after it was sent: (old
+        version, completion)."""
         old = await c.version() + 1
-        await sync_weights([c], hf_model.state_dict(), old, tmp_path)  # the reference weights, labelled `old`
-        inflight = asyncio.create_task(c.send("POST", "/inference/v1/generate", json=body))
+        await sync_weights([c], hf_model.state_dict(), old, tmp_path / "sync")  # the reference weights, as `old`
+        inflight = await long_reply(c)
         await asyncio.sleep(wait_s)
-        await sync_weights([c], sd, old + 1, tmp_path, pause_mode="keep")
-        _, text = await inflight
-        return old, c._completion(json.loads(text)["choices"][0], len(PROMPT))
+        async with paused([c], old + 1, "keep"):
+            await c.reload_weights(new_dir)
+        return old, await inflight
 
     async def main():
         c, wait_s = engine.client(), 0.2
