@@ -11,6 +11,7 @@ squeue/scontrol (submitit's own polling needs Slurm accounting, which many clust
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import secrets
 import shlex
@@ -21,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from molt import guards
+from molt import guards, reaper
 from molt.net import free_port
 
 
@@ -49,28 +50,33 @@ def allocation(cfg):
     rdv = Path(cfg.output_dir) / f".ray.{env.job_id}.{os.environ.get('SLURM_RESTART_COUNT', '0')}"
     addr = socket.gethostbyname(env.hostnames[env.node])
     os.environ["MOLT_NODE_ADDR"] = addr
-    cmd = [str(Path(sys.executable).parent / "ray"), "start", "--block", f"--node-ip-address={addr}", "--disable-usage-stats",
-           f"--num-cpus={cfg.cluster.cpus_per_task or 1}", f"--resources={{\"molt_task_{env.global_rank}\": 1}}"]
-    if env.global_rank == 0:
-        rdv.mkdir(parents=True, exist_ok=True)
-        port = free_port(addr)
-        ray = subprocess.Popen(cmd + ["--head", f"--port={port}", "--include-dashboard=false"], start_new_session=True)
-        os.environ["MOLT_RAY_ADDRESS"] = f"{addr}:{port}"  # the loop's ray_session joins it
+    # each task's Ray node keeps its session (and its processes their temporary files) in a private directory of
+    # the task's, removed when the task ends (swept by the next run on the node if it was killed)
+    with reaper.private_tmp() as tmp:
+        cmd = [str(Path(sys.executable).parent / "ray"), "start", "--block", f"--node-ip-address={addr}",
+               "--disable-usage-stats", f"--temp-dir={tmp}/ray", f"--num-cpus={cfg.cluster.cpus_per_task or 1}",
+               f"--resources={{\"molt_task_{env.global_rank}\": 1}}"]
+        start = functools.partial(subprocess.Popen, start_new_session=True, env=os.environ | reaper.private_env(tmp))
+        if env.global_rank == 0:
+            rdv.mkdir(parents=True, exist_ok=True)
+            port = free_port(addr)
+            ray = start(cmd + ["--head", f"--port={port}", "--include-dashboard=false"])
+            os.environ["MOLT_RAY_ADDRESS"] = f"{addr}:{port}"  # the loop's ray_session joins it
+            try:
+                wait_for_nodes(env.num_tasks, rdv / "address")
+                yield True
+            finally:
+                (rdv / "done").touch()
+                stop_group(ray)
+            return
+        head = wait_for_file(rdv / "address").read_text()
+        ray = start(cmd + [f"--address={head}"])
         try:
-            wait_for_nodes(env.num_tasks, rdv / "address")
-            yield True
+            while not (rdv / "done").exists() and ray.poll() is None:  # the head's end ends our worker too
+                time.sleep(1)
+            yield False
         finally:
-            (rdv / "done").touch()
             stop_group(ray)
-        return
-    head = wait_for_file(rdv / "address").read_text()
-    ray = subprocess.Popen(cmd + [f"--address={head}"], start_new_session=True)
-    try:
-        while not (rdv / "done").exists() and ray.poll() is None:  # the head's end ends our worker too
-            time.sleep(1)
-        yield False
-    finally:
-        stop_group(ray)
 
 
 def wait_for_file(path: Path, timeout_s: float = 300) -> Path:

@@ -2,9 +2,11 @@
 script against the submitted one (the dry run without Slurm: tests/test_dry_run.py)."""
 from __future__ import annotations
 
+import glob
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -17,6 +19,11 @@ from tests.cluster.conftest import job_processes
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["cluster=slurm_local", "experiment=quickstart", "rollout.n=4", "train.groups_per_step=2",
         "rollout.max_inflight_groups=4", "eval.max_samples=4"]
+
+
+def ray_sessions() -> set[str]:
+    """Ray sessions in Ray's default temporary directory (a job's `ray start` keeps its own in the task's private one)."""
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "ray", "session_*")))
 
 
 def molt(*overrides, timeout=600):
@@ -58,6 +65,7 @@ def test_sweep_on_two_tasks_is_one_array_that_trains_and_molt_compare_tables_and
              "fsdp.dp_size=2", "cluster.engine_tasks=[1]", "estimator=grpo,rloo", f"hydra.sweep.dir={tmp_path}")
     dry = molt(*sweep, "dry_run=true", timeout=120)
     assert dry.returncode == 0 and not queue(), dry.stderr
+    sessions = ray_sessions()
     out = molt(*sweep)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     ids = [line.split()[4] for line in out.stdout.splitlines() if line.startswith("molt: submitted Slurm job")]
@@ -73,6 +81,7 @@ def test_sweep_on_two_tasks_is_one_array_that_trains_and_molt_compare_tables_and
         assert "molt: engine0 on Slurm task 1, reached through Ray" in log, log[-3000:]
         assert "molt: quickstart done: 2 steps" in log and "reward  " in log and "mlflow ui --backend-store-uri" in log
         assert not job_processes(job), "every task stopped its own Ray node"
+    assert ray_sessions() == sessions, "a task's Ray node kept its session in the default temporary directory"
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client, found = runs(uri)
     assert sorted(r.data.tags["molt.overrides"].split()[-1] for r in found) == ["estimator=grpo", "estimator=rloo"]
