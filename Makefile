@@ -8,6 +8,9 @@
 # harnesses/node_modules (760 MB; skipped with a note when npm is missing: the real-CLI tests then skip).
 # The OpenAI Agents SDK has its own venv, harnesses/openai-agents/.venv (120 MB, its own lock file): it needs
 # websockets<17, requirements.lock pins 17.4.
+# verifiers has its own venv too, harnesses/verifiers/.venv (620 MB, its own lock file: it pins mcp and openai<3), plus
+# the uv environment of its null/bash harnesses' chat program (harnesses/verifiers/uv-cache, 62 MB, resolved once into
+# chat-program.lock as of a fixed date), so that nothing is resolved or downloaded at run time (agent=verifiers).
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 PYTHON ?= python3
@@ -17,6 +20,8 @@ STAMP := $(VENV)/.molt-installed
 NODE_STAMP := harnesses/node_modules/.molt-installed
 AGENTS_SDK := harnesses/openai-agents
 AGENTS_STAMP := $(AGENTS_SDK)/.venv/.molt-installed
+VF := harnesses/verifiers
+VF_STAMP := $(VF)/.venv/.molt-installed
 export HF_HUB_OFFLINE := 1
 export RAY_AUTH_MODE := token
 export RAY_USAGE_STATS_ENABLED := 0
@@ -24,7 +29,7 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: setup quickstart test assets clean
 
-setup: $(STAMP) $(NODE_STAMP) $(AGENTS_STAMP) assets
+setup: $(STAMP) $(NODE_STAMP) $(AGENTS_STAMP) $(VF_STAMP) assets
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +50,13 @@ $(AGENTS_STAMP): $(AGENTS_SDK)/requirements.lock
 	$(AGENTS_SDK)/.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -r $< 2>&1 | { grep -v "^WARNING: Location" || true; }
 	touch $@
 
+$(VF_STAMP): $(VF)/requirements.lock $(VF)/bridge.py
+	test -x $(VF)/.venv/bin/python || $(PYTHON) -m venv $(VF)/.venv
+	$(VF)/.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -r $(VF)/requirements.lock 2>&1 | { grep -v "^WARNING: Location" || true; }
+	HOME=$(CURDIR)/$(VF)/home UV_CACHE_DIR=$(CURDIR)/$(VF)/uv-cache UV_PYTHON_DOWNLOADS=never PATH=$(CURDIR)/$(VF)/.venv/bin:$$PATH \
+		$(VF)/.venv/bin/python $(VF)/bridge.py prepare $(CURDIR)/$(VF)/chat-program.lock
+	touch $@
+
 assets: $(STAMP)
 	$(PY) -m molt.assets tiny assets/tiny >/dev/null
 
@@ -56,4 +68,5 @@ test: setup
 	$(PY) -m pytest -q -p no:cacheprovider --durations=25 $(TEST_ARGS) tests
 
 clean:
-	rm -rf $(VENV) assets outputs harnesses/node_modules $(AGENTS_SDK)/.venv
+	rm -rf $(VENV) assets outputs harnesses/node_modules $(AGENTS_SDK)/.venv $(VF)/.venv $(VF)/uv-cache $(VF)/home \
+		$(VF)/chat-program.lock

@@ -6,6 +6,7 @@
                                parallel (DCP's Hugging Face safetensors storage, sharding offsets in the headers)
         rng/rank_<r>.json      each actor rank's torch / numpy / python RNG
         hf/                    config and tokenizer files of the base model (for `export`)
+        adapter/               LoRA runs: the adapters as a PEFT folder (policy/ then holds only them, and their AdamW)
 
 Every rank's part (models, optimizers, RNG) is molt/actor/state.py's: tensors under their global shapes, so a
 checkpoint written by one layout (dp2) resumes in another (dp1, ep2). Here: atomic, written to `.step_N.tmp` and
@@ -13,7 +14,9 @@ renamed once complete, so a crash mid-save leaves the previous checkpoint as the
 Nothing is unpickled on load: the safetensors reader takes its metadata from the JSON headers, and DCP's pickled
 `.metadata` file is never written.
 
-    python -m molt.checkpoint export CKPT OUT     # a Hugging Face directory (safetensors, config, tokenizer)
+    python -m molt.checkpoint export CKPT OUT            # a Hugging Face directory (safetensors, config, tokenizer)
+    python -m molt.checkpoint export CKPT OUT --merged   # LoRA: the base with the adapters merged in (else: the
+                                                         # PEFT adapter folder, for peft or `vllm --lora-modules`)
 """
 from __future__ import annotations
 
@@ -82,14 +85,17 @@ def load(path: str | Path, actor) -> dict:
     return state
 
 
-def export_hf(ckpt: str | Path, out_dir: str | Path) -> Path:
+def export_hf(ckpt: str | Path, out_dir: str | Path, merged: bool = False) -> Path:
     """The checkpoint's policy as a Hugging Face directory (safetensors under the architecture's checkpoint names,
-    config, tokenizer), e.g. to serve with vLLM or as the teacher of estimator=opd. Runs in one process."""
+    config, tokenizer), e.g. to serve with vLLM or as the teacher of estimator=opd. Runs in one process.
+    A LoRA checkpoint gives its PEFT adapter folder, or with `merged` the base model with the adapters merged in."""
     from transformers import AutoConfig
 
     from molt.actor.loading import empty_on, meta_model
 
     ckpt = Path(ckpt)
+    if (ckpt / "adapter").is_dir():
+        return export_lora(ckpt, Path(out_dir), merged)
     config = AutoConfig.from_pretrained(str(ckpt / "hf"))
     model = empty_on(meta_model(ckpt / "hf", getattr(torch, str(config.dtype).removeprefix("torch."))), "cpu")
     state = get_model_state_dict(model)  # a tied head's entry is its embedding's tensor: loaded with it, in place
@@ -101,7 +107,23 @@ def export_hf(ckpt: str | Path, out_dir: str | Path) -> Path:
     return Path(out_dir)
 
 
+def export_lora(ckpt: Path, out_dir: Path, merged: bool) -> Path:
+    """A LoRA checkpoint's adapter folder (copied), or its base (the adapter's base_model_name_or_path) merged by peft."""
+    if not merged:
+        shutil.copytree(ckpt / "adapter", out_dir, dirs_exist_ok=True)
+        return out_dir
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = json.loads((ckpt / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = PeftModel.from_pretrained(model, str(ckpt / "adapter")).merge_and_unload()
+    shutil.copytree(ckpt / "hf", out_dir, dirs_exist_ok=True)
+    model.save_pretrained(str(out_dir))
+    return out_dir
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 4 or sys.argv[1] != "export":
-        raise SystemExit("usage: python -m molt.checkpoint export CKPT_DIR OUT_DIR")
-    print(export_hf(sys.argv[2], sys.argv[3]))
+    if len(sys.argv) not in (4, 5) or sys.argv[1] != "export" or sys.argv[4:] not in ([], ["--merged"]):
+        raise SystemExit("usage: python -m molt.checkpoint export CKPT_DIR OUT_DIR [--merged]")
+    print(export_hf(sys.argv[2], sys.argv[3], merged=sys.argv[4:] == ["--merged"]))

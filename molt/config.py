@@ -55,6 +55,8 @@ class AgentConfig:
     max_request_bytes: int = 4194304  # chat: larger request bodies are refused (413) before they are parsed
     harness: str = ""  # chat: the agent CLI run_cli runs, claude | codex (molt/agents/harness.py; "" = none)
     log_dir: str = ""  # chat: run_cli appends each CLI's output to <log_dir>/<rollout id>.log ("" = not kept)
+    verifiers: dict[str, Any] = field(default_factory=dict)  # verifiers mode: {env: verifiers' [env] block, path: [dirs
+    # put on the bridge's sys.path, relative to the repo]} (molt/agents/verifiers.py, conf/agent/verifiers.yaml)
 
 
 @dataclass
@@ -74,9 +76,10 @@ class EngineConfig:
     extra_args: list[str] = field(default_factory=list)  # more vLLM server flags, verbatim
     startup_timeout_s: float = 300.0
     request_timeout_s: float = 120.0
-    sync: str = "reload"  # weight sync path: reload (CPU) | nccl (GPU clusters)
+    sync: str = "reload"  # weight sync path: reload (CPU) | nccl (GPU clusters) | adapter (LoRA adapters only)
     sync_dir: str = "/dev/shm"  # where `reload` writes safetensors
     sync_bucket_mb: int = 1024  # `nccl`: weights gathered and broadcast this many MiB at a time (packed buffers)
+    max_lora_rank: int = 16  # `adapter`: vLLM's --max-lora-rank (>= lora.rank; one of vLLM's allowed sizes)
     pause_mode: str = "wait"  # weight sync: wait (requests in flight finish first) | keep (they freeze and go on
     # under the new weights, each token labelled with its version; needs is_correction)
     probe_tol: float = 1e-3  # max |engine - actor| log-prob on the probe after each sync (bf16 GPU engines differ more)
@@ -122,11 +125,23 @@ class TrainConfig:
     save_every: int = 0  # checkpoint every N steps (0 = only at the end)
     log_every: int = 10  # a line of main metrics on the terminal and in molt.log every N steps (MLflow gets all, every step)
     dump_rollouts: Optional[str] = None  # directory: write every step's rollouts as JSONL (trained and failed)
+    replay_rollouts: Optional[str] = None  # a dump directory: train on its steps in order, generating nothing
     num_threads: int = 0  # torch intra-op threads for the actor (0 = torch default)
     activation_checkpointing: bool = False  # recompute decoder layers in backward (GPU memory; see actor/speed.py)
     compile: bool = False  # torch.compile the decoder layers and the log-prob head (GPU speed; see actor/speed.py)
     routing_replay: bool = False
     freeze_vision: bool = False  # vision-language policies: keep the vision tower and connector fixed
+
+
+@dataclass
+class LoraConfig:
+    """LoRA (molt/actor/lora.py, peft): train low-rank adapters on the frozen base model; rank 0 = full fine-tuning."""
+
+    rank: int = 0
+    alpha: float = 32.0  # the update is alpha / rank * B A
+    dropout: float = 0.0  # on the adapters' input, in the training forward only (scoring and the probe see none)
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    seed: int = 0  # A ~ kaiming-uniform from this seed (B = 0: training starts at the base model)
 
 
 @dataclass
@@ -223,6 +238,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     view: ViewConfig = field(default_factory=ViewConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     is_correction: IsCorrectionConfig = field(default_factory=IsCorrectionConfig)
     filter: FilterConfig = field(default_factory=FilterConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)

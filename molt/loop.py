@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import secrets
@@ -31,7 +30,7 @@ from omegaconf import OmegaConf
 from ray.util.queue import Queue
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from molt import checkpoint, cluster, guards, net, reaper, tracking, view
+from molt import checkpoint, cluster, dump, guards, net, reaper, tracking, view
 from molt.actor.group import run_actor
 from molt.agents.pool import RolloutWorker
 from molt.algo.advantages import ESTIMATORS, compute_advantages, helper_targets, token_tables, untable
@@ -53,18 +52,22 @@ def run(cfg) -> None:
     with contextlib.ExitStack() as stack:
         stack.enter_context(logging_redirect_tqdm())  # log lines print above the progress bar, not into it
         tmp = stack.enter_context(reaper.private_tmp())  # the run's temporary files, Ray's and the engines'
-        stack.enter_context(ray_session(tmp))
-        engines = stack.enter_context(launch_engines(cfg.engine, model_dir, Path(cfg.output_dir) / "engines",
-                                                     cfg.cluster.engine_tasks, cfg.cluster.gpus_per_node > 0, tmp))
+        replaying = bool(cfg.train.replay_rollouts)  # no engine, no rollout worker: Ray only for actor ranks
+        if not replaying or ranked(cfg):
+            stack.enter_context(ray_session(tmp))
+        engines = None if replaying else stack.enter_context(launch_engines(
+            cfg.engine, model_dir, Path(cfg.output_dir) / "engines", cfg.cluster.engine_tasks,
+            cfg.cluster.gpus_per_node > 0, tmp))
         stack.enter_context(tracking.mlflow_run(cfg, derived(cfg), resume_run=cluster.requeued()))  # with the reaper (molt/reaper.py)
-        train(cfg, model_dir, engines, stack.enter_context(stop_on_interrupt()))
+        stop = stack.enter_context(stop_on_interrupt())
+        replay(cfg, model_dir, stop) if replaying else train(cfg, model_dir, engines, stop)
 
 
 def train(cfg, model_dir: Path, engines, stop: threading.Event) -> None:
     actor = make_actor(cfg, model_dir)
     fleet = Fleet(engines, cfg, actor, asyncio.new_event_loop())  # syncs engines, replaces those that die
     version, position = restore(cfg, actor)
-    if version:  # the engines still serve the initial weights: give them the restored ones
+    if version or cfg.engine.sync == "adapter":  # the engines serve the initial weights (adapter: not yet the policy)
         fleet.sync(version)
     queue = Queue()
     fleet.worker = worker = RolloutWorker.options(**net.on_task(0)).remote(
@@ -79,25 +82,66 @@ def train(cfg, model_dir: Path, engines, stop: threading.Event) -> None:
             raise Interrupted(step, checkpoint.save(cfg.checkpoint_dir, step, actor, position, model_dir)
                               if step else None, cfg.checkpoint_dir)
         position += counts["groups"]
-        with clock("train"):
-            prep, page = prepare(groups, cfg, actor), view.due(cfg, step)
-            metrics = actor.train_step(prep.segments, prep.advantages, cfg.rollout.temperature, page)
-            metrics |= actor.train_helpers(prep.segments, prep.helper_targets)
+        prep, metrics = learn(cfg, actor, groups, step, clock)
         with clock("sync"):
             probe = fleet.sync(version + 1, prep.segments[0])
         version += 1
         worker.grant.remote(len(groups))  # after the sync: the next groups start on the new weights
-        with clock("view"):
-            record(cfg, groups, failed, prep.advantages, step, actor.kept_logprobs() if page else None, model_dir)
-        metrics |= maybe_eval(cfg, worker, fleet, step)
-        metrics |= prep.metrics | rollout_metrics(groups, counts, version, probe) | clock.metrics()
+        metrics |= {"sync/probe_abs_max": probe} | maybe_eval(cfg, worker, fleet, step)
         metrics |= {"engine/restarts": fleet.total} | fleet.cache_metrics()
-        metrics["throughput/tokens_per_s"] = metrics["rollout/gen_tokens"] / metrics["time/step"]
-        tracking.log_metrics(metrics, step, cfg.train.steps, cfg.train.log_every)
-        bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step']:.2f}")
+        report(cfg, bar, step, version, metrics, prep, groups, failed, counts, clock, actor, model_dir)
         maybe_save(cfg, actor, position, step, model_dir)  # after the log: a kill in between repeats a step, never loses one
     ray.kill(worker)  # at once: an actor left to exit reports its rollouts still in flight as destroyed pending tasks
     fleet.close()
+
+
+def replay(cfg, model_dir: Path, stop: threading.Event) -> None:
+    """train.replay_rollouts=DIR: train on a dump's steps in order (molt/dump.py), with their behaviour log-probs and
+    versions, without generating: no engine, no rollout worker (Ray only for an actor of several ranks). Advantages
+    come from the run's estimator. The data position is the number of dumped steps replayed: resume=true goes on with
+    the next one."""
+    source = dump.path_of(cfg.train.replay_rollouts)
+    entries = dump.index(source)
+    actor = make_actor(cfg, model_dir)
+    version, position = restore(cfg, actor)
+    if version + len(entries) - position < cfg.train.steps:
+        log.warning("replay: %s holds %d steps, %d of them left: training %d steps, not train.steps=%d", source,
+                    len(entries), len(entries) - position, version + len(entries) - position, cfg.train.steps)
+        cfg.train.steps = version + len(entries) - position
+    bar = tracking.progress(version, cfg.train.steps)
+    for step in bar:
+        if stop.is_set():  # Ctrl-C: stop between two steps
+            raise Interrupted(step, checkpoint.save(cfg.checkpoint_dir, step, actor, position, model_dir)
+                              if step else None, cfg.checkpoint_dir)
+        clock = Clock()
+        with clock("wait"):
+            groups, failed = dump.read_step(source, entries[position])
+        position += 1
+        prep, metrics = learn(cfg, actor, groups, step, clock)
+        report(cfg, bar, step, step + 1, metrics, prep, groups, failed, Counter(failed=len(failed)), clock, actor,
+               model_dir)
+        maybe_save(cfg, actor, position, step, model_dir)
+
+
+def learn(cfg, actor, groups, step: int, clock: Clock) -> tuple[Prepared, dict]:
+    """Advantages, then one optimizer step of the policy and of its trainable helpers (time/train)."""
+    with clock("train"):
+        prep = prepare(groups, cfg, actor)
+        metrics = actor.train_step(prep.segments, prep.advantages, cfg.rollout.temperature, view.due(cfg, step))
+        metrics |= actor.train_helpers(prep.segments, prep.helper_targets)
+    return prep, metrics
+
+
+def report(cfg, bar, step: int, version: int, metrics: dict, prep: Prepared, groups, failed, counts, clock: Clock,
+           actor, model_dir) -> None:
+    """The step's records (dump, page), its metrics to MLflow and the run log, and the progress bar."""
+    with clock("view"):
+        kept = actor.kept_logprobs() if view.due(cfg, step) else None
+        record(cfg, groups, failed, prep.advantages, step, kept, model_dir)
+    metrics |= prep.metrics | rollout_metrics(groups, counts, version) | clock.metrics()
+    metrics["throughput/tokens_per_s"] = metrics["rollout/gen_tokens"] / metrics["time/step"]
+    tracking.log_metrics(metrics, step, cfg.train.steps, cfg.train.log_every)
+    bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step']:.2f}")
 
 
 class Interrupted(KeyboardInterrupt):
@@ -156,11 +200,16 @@ class Clock:
 def make_actor(cfg, model_dir: Path):
     """One in-process Actor for world size 1 on CPU (the reference path); else a group of ranks on the (dp, ep, cp)
     mesh, each on its own GPU when the cluster has GPUs (one rank too, on its GPU: fp32 masters in the optimizer)."""
-    if derived(cfg)["world_size"] > 1 or cfg.cluster.gpus_per_node > 0:
+    if ranked(cfg):
         from molt.actor.group import ActorGroup
 
         return ActorGroup(cfg, model_dir)
     return run_actor(cfg, model_dir)
+
+
+def ranked(cfg) -> bool:
+    """Whether the actor is a group of ranks (Ray actors), not one Actor in this process."""
+    return derived(cfg)["world_size"] > 1 or cfg.cluster.gpus_per_node > 0
 
 
 @contextlib.contextmanager
@@ -284,7 +333,7 @@ def prepare(groups, cfg, actor=None) -> Prepared:
     per-token inputs from the helper models its registry entry names, scored by the actor)."""
     rollouts = [r for g in groups for r in g.rollouts]
     segments = [s for r in rollouts for s in r.segments]
-    rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
+    rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float64)
     group_ids = torch.tensor([i for i, g in enumerate(groups) for _ in g.rollouts])
     est = ESTIMATORS[cfg.estimator.name]
     scores = actor.score(segments, list(est.helpers), cfg.rollout.temperature) if est.helpers else {}
@@ -307,7 +356,7 @@ def batch_metrics(rewards, adv, mask) -> dict:
             "advantage/mean": mean(adv), "advantage/abs_mean": mean(adv.abs())}
 
 
-def rollout_metrics(groups, counts, version: int, probe: float) -> dict:
+def rollout_metrics(groups, counts, version: int) -> dict:
     rollouts = [r for g in groups for r in g.rollouts]
     generated = sum(s.num_generated for r in rollouts for s in r.segments)
     starts, ends = zip(*(g.timing for g in groups))
@@ -320,7 +369,7 @@ def rollout_metrics(groups, counts, version: int, probe: float) -> dict:
             "filter/dropped": counts["filtered"],
             "filter/dropped_frac": counts["filtered"] / (counts["filtered"] + len(groups)),
             "rollout/gen_tokens_mean": generated / len(rollouts), "rollout/gen_tokens": generated,
-            "time/generate": max(ends) - min(starts), "sync/probe_abs_max": probe, "version": version}
+            "time/generate": max(ends) - min(starts), "version": version}
 
 
 def maybe_eval(cfg, worker, fleet: Fleet, step: int) -> dict:
@@ -359,9 +408,7 @@ def record(cfg, groups, failed, advantages, step: int, kept, model_dir) -> None:
         return
     records = view.records(groups, failed, advantages, step, kept, cfg.is_correction)
     if cfg.train.dump_rollouts:
-        Path(cfg.train.dump_rollouts).mkdir(parents=True, exist_ok=True)
-        with open(Path(cfg.train.dump_rollouts) / "rollouts.jsonl", "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
+        dump.append(cfg.train.dump_rollouts, records)
     if kept is not None:
         page = view.write(Path(cfg.output_dir) / "view", records, step, str(model_dir), cfg.view.max_tokens)
         mlflow.log_artifact(str(page), "view")

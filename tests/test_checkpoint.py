@@ -2,6 +2,7 @@
 
 Resharding: one step at dp2, checkpoint, then the next step at dp1 (tiny, tiny_moe) and at ep2 (tiny_moe) gives the
 loss, gradients and updated weights of an uninterrupted 1-rank run (the second AdamW step uses the restored moments).
+The same for LoRA (tiny): its checkpoint holds the adapters and their moments only, and exports as a PEFT folder.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from molt.actor.group import init_distributed, rank_actor
 from molt.assets import ensure_model
 from molt.config import FsdpConfig, TrainConfig
 from molt.net import free_port
-from tests.actor.test_parallel import TRAIN, run_steps, segments
+from tests.actor.test_parallel import LORA, TRAIN, run_steps, segments
 
 
 def _two_ranks(rank, port, models, ckpts, out):
@@ -29,6 +30,9 @@ def _two_ranks(rank, port, models, ckpts, out):
         actor = rank_actor(models[name], TRAIN, FsdpConfig(dp_size=2), device)
         actor.train_step(*segments(4))
         checkpoint.save(ckpts[name], 1, actor, 7, models[name])
+    actor = rank_actor(models["tiny"], TRAIN, FsdpConfig(dp_size=2), device, lora_cfg=LORA)
+    actor.train_step(*segments(4))
+    checkpoint.save(ckpts["tiny_lora"], 1, actor, 7, models["tiny"])
     actor = rank_actor(models["tiny_moe"], TRAIN, FsdpConfig(ep_size=2), device)  # step 2 at ep2
     checkpoint.load(checkpoint.latest(ckpts["tiny_moe"]), actor)
     result = run_steps(actor, 4)
@@ -51,14 +55,14 @@ def _close(got: dict, ref: dict) -> None:
 def resharded(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reshard")
     models = {n: str(ensure_model(tmp / n, n)) for n in ("tiny", "tiny_moe")}
-    ckpts = {n: str(tmp / f"ckpt_{n}") for n in models}
+    ckpts = {n: str(tmp / f"ckpt_{n}") for n in (*models, "tiny_lora")}
     mp.spawn(_two_ranks, args=(free_port(), models, ckpts, str(tmp / "ep2.pt")), nprocs=2)
     return models, ckpts, torch.load(tmp / "ep2.pt", weights_only=False)
 
 
-def _uninterrupted(model_dir) -> dict:
+def _uninterrupted(model_dir, lora=None) -> dict:
     torch.manual_seed(0)
-    actor = Actor(model_dir, TRAIN)
+    actor = Actor(model_dir, TRAIN, lora_cfg=lora)
     actor.train_step(*segments(4))
     return run_steps(actor, 4)
 
@@ -70,6 +74,29 @@ def test_dp2_checkpoint_resumes_at_dp1(resharded, name):
     state = checkpoint.load(checkpoint.latest(ckpts[name]), actor)
     assert (state["step"], state["data_position"], state["layout"]) == (1, 7, [2, 1, 1])
     _close(run_steps(actor, 4), _uninterrupted(models[name]))
+
+
+def test_lora_dp2_checkpoint_holds_the_adapters_and_resumes_at_dp1(resharded, tmp_path):
+    from peft import PeftModel
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    models, ckpts, _ = resharded
+    path = checkpoint.latest(ckpts["tiny_lora"])
+    keys = {k for f in (path / "policy").glob("*.safetensors") for k in safe_open(str(f), "pt").keys()}
+    assert keys and all(".lora_" in k for k in keys)  # adapters and their AdamW moments, no base weight
+    assert {k.split(".", 1)[0] for k in keys} == {"model", "optim"}
+    actor = Actor(models["tiny"], TRAIN, lora_cfg=LORA)
+    checkpoint.load(path, actor)
+    ids = torch.tensor([[1, 5, 88, 300, 12, 45, 45, 200, 9]])
+    with torch.no_grad():
+        expected = actor.model(ids).logits
+        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(models["tiny"]),
+                                         str(checkpoint.export_hf(path, tmp_path / "adapter")))
+        merged = AutoModelForCausalLM.from_pretrained(checkpoint.export_hf(path, tmp_path / "merged", merged=True))
+        torch.testing.assert_close(peft(ids).logits, expected, rtol=0, atol=1e-5)
+        torch.testing.assert_close(merged(ids).logits, expected, rtol=0, atol=1e-5)
+    _close(run_steps(actor, 4), _uninterrupted(models["tiny"], LORA))
 
 
 def test_dp2_checkpoint_resumes_at_ep2(resharded):

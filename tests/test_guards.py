@@ -33,7 +33,11 @@ def base(tmp_path_factory) -> list[str]:
     (tmp / "ckpt" / "step_0000002").mkdir(parents=True)  # a complete checkpoint for resume=true (and a partial one)
     (tmp / "ckpt" / "step_0000002" / "state.json").write_text("{}")
     (tmp / "partial" / "step_0000004").mkdir(parents=True)
-    for name, vocab in (("tok_student", 512), ("tok_other", 300)):  # model dirs with tokenizers, no weights
+    (tmp / "dump").mkdir()  # a rollout dump to replay (one record is enough for the guard), and an empty one
+    (tmp / "dump" / "rollouts.jsonl").write_text(json.dumps({"step": 0, "segments": []}) + "\n")
+    (tmp / "empty_dump").mkdir()
+    (tmp / "empty_dump" / "rollouts.jsonl").write_text("")
+    for name, vocab in (("tok_student", 512), ("tok_twin", 512), ("tok_other", 300)):  # model dirs with tokenizers, no weights
         build_tokenizer(tmp / name, vocab_size=vocab)
         (tmp / name / "config.json").write_text(json.dumps(tiny_config()))
     return [f"task.train_path={tmp}/train.jsonl", f"task.eval_path={tmp}/eval.jsonl", "agent.module=experiments.quickstart.task",
@@ -93,6 +97,9 @@ CASES = [
     ("agent_module", ["agent.mode=chat"], "to define run_agent"),
     ("agent_module", ["agent=chat", "agent.module=experiments.quickstart.task"], "to define run_agent"),
     ("agent_module", ["agent.module=no_such_package.task"], "agent.module=no_such_package.task"),
+    ("agent_verifiers", ["experiment=verifiers", "agent.module=molt.agents.verifiers",
+                         "agent.verifiers.env.taskset.id=no_such_taskset"],
+     "agent.verifiers does not load in verifiers"),
     ("agent_harness", ["agent=chat", "agent.module=experiments.claude_code.agent", "agent.harness=nope"],
      "agent.harness='nope' is unknown"),
     ("agent_harness", ["experiment=codex", "agent.module=experiments.codex.agent", "agent.timeout_s=0"],
@@ -118,8 +125,32 @@ CASES = [
     ("cp_full_attention", ["fsdp.cp_size=2", "model.build=",
                            "model.path=${assets_dir}/sliding"], "sliding-window attention"),
     ("cp_with_images", ["fsdp.cp_size=2", "model=tiny_vl"], "vision-language model"),
+    ("replay_source", ["train.replay_rollouts=${assets_dir}/no_dump"], "train.replay_rollouts="),
+    ("replay_source", ["train.replay_rollouts=${assets_dir}/empty_dump"], "holds no rollouts"),
+    ("replay_source", ["train.replay_rollouts=${assets_dir}/dump", "train.dump_rollouts=${assets_dir}/dump"],
+     "the replay would append to the dump it reads"),
     ("resume_finds_checkpoint", ["resume=true", "checkpoint_dir=${assets_dir}/partial"],
      "resume=true but checkpoint_dir="),
+    ("lora_combinations", ["lora.rank=-1"], "lora.rank=-1"),
+    ("lora_combinations", ["lora.rank=4", "lora.dropout=1.0"], "0 <= dropout < 1"),
+    ("lora_combinations", ["engine.sync=adapter"], "set lora.rank > 0"),
+    ("lora_combinations", ["engine.sync=adapter", "lora.rank=32"], "engine.max_lora_rank=16 must be >= lora.rank"),
+    ("lora_combinations", ["lora.rank=4", "estimator=gae"], "with estimator=gae is refused"),
+    ("lora_combinations", ["lora.rank=4", *OPD, "estimator.teacher_path=${assets_dir}/tok_twin"],
+     "with estimator=opd with a teacher other than the base is refused"),
+    ("lora_combinations", ["lora.rank=4", "model=tiny_moe", "train.routing_replay=true",
+                           "engine.return_routed_experts=true", "cluster.gpus_per_node=1"],
+     "with train.routing_replay=true is refused"),
+    ("lora_combinations", ["lora.rank=4", "engine.sync=nccl", "cluster.gpus_per_node=1"],
+     "with engine.sync=nccl is refused"),
+    ("lora_combinations", ["lora.rank=4", "model=tiny_vl"], "with a vision-language model is refused"),
+    ("lora_targets", ["lora.rank=4", "lora.target_modules=[q_proj,qkv]"],
+     "['qkv'] name no module of the model; its decoder's linear layers are ['down_proj', 'gate_proj', 'k_proj', 'o_proj',"),
+    ("lora_targets", ["lora.rank=4", "lora.target_modules=[embed_tokens]"], "is a Embedding"),
+    ("lora_targets", ["lora.rank=4", "lora.target_modules=[lm_head]"], "outside the decoder layers"),
+    ("lora_targets", ["lora.rank=4", "model=tiny_moe", "lora.target_modules=[q_proj,experts]"],
+     "model.layers.0.mlp.experts is a Qwen3MoeExperts: LoRA adapts the decoder layers' linear layers only"),
+    ("lora_targets", ["lora.rank=1000"], "lora.rank=1000 exceeds the dimensions of model.layers.0.self_attn.q_proj"),
 ]
 
 
@@ -144,7 +175,10 @@ def test_guard_fires(base, name, overrides, fragment):
                                         "filter.enabled=true", "train.kl_coef=0.01", "estimator=rloo"],
                                        ["loss=gspo"], ["loss=cispo", "is_correction.level=token"],
                                        ["model.build=", "model.path=${assets_dir}/mixtral", "fsdp.ep_size=2"],
-                                       ["resume=true", "checkpoint_dir=${assets_dir}/ckpt"]])
+                                       ["resume=true", "checkpoint_dir=${assets_dir}/ckpt"],
+                                       ["train.replay_rollouts=${assets_dir}/dump"],
+                                       ["lora.rank=8", "train.kl_coef=0.1", "engine.sync=adapter", "fsdp.dp_size=2"],
+                                       ["lora.rank=4", "model=tiny_moe", "fsdp.ep_size=2"], [*OPD, "lora.rank=4"]])
 def test_valid_runs_pass(base, overrides):
     assert guards.check(compose(*base, *overrides)) is None
 

@@ -121,6 +121,79 @@ def test_dumped_rollouts_are_token_first(first_run):
             assert all(s["logprobs"][i] == 0.0 and s["versions"][i] == -1 for i in range(n) if i not in gen)
 
 
+def saved(ckpt: Path) -> dict:
+    """A checkpoint's policy: weights and AdamW state, by name (molt/actor/state.py's safetensors)."""
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted((ckpt / "policy").glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_replay_trains_the_dump_again_exactly_without_an_engine(first_run, tmp_path, run_tmp):
+    """Issue 26 §1: train.replay_rollouts trains on the dumped groups in order, with their behaviour log-probs and
+    versions, and starts no engine and no rollout worker. With the run's own settings it retrains first_run bit for
+    bit: every step's loss, gradient norm and actor/engine mismatch, and the final weights and AdamW state; stopped
+    halfway (train.steps) and resumed, it goes on with the next dumped step (the data position counts dumped steps)."""
+    args = [*SMALL, *EXACT, f"train.replay_rollouts={first_run / 'dump'}", f"hydra.run.dir={tmp_path / 'run'}",
+            f"checkpoint_dir={tmp_path / 'ckpt'}"]
+    half = molt(*args, f"train.steps={STEPS // 2}", tmpdir=run_tmp)
+    assert half.returncode == 0, half.stderr[-3000:]
+    rest = molt(*args, "resume=true", tmpdir=run_tmp)
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    log = (tmp_path / "run" / "molt.log").read_text()
+    assert "engine      none" in log and f"continuing from {tmp_path / 'ckpt' / f'step_{STEPS // 2:07d}'}" in log, log
+    assert not (tmp_path / "run" / "engines").exists() and leftovers(run_tmp) == []
+    (c1, r1, _), (c2, r2, _) = history(first_run / "run1"), history(tmp_path / "run")
+    for key in ["loss/policy", "grad_norm", "mismatch/logprob_abs_max", "reward/mean", "advantage/abs_mean",
+                "rollout/failed", "version"]:
+        a, b = (last_per_step(lambda k, c=c, r=r: c.get_metric_history(r.info.run_id, k), key)
+                for c, r in ((c1, r1), (c2, r2)))
+        assert a == b and len(a) == STEPS, (key, a, b)
+    state = json.loads((checkpoint.latest(str(tmp_path / "ckpt")) / "state.json").read_text())
+    assert (state["step"], state["data_position"]) == (STEPS, STEPS)
+    ran, replayed = saved(first_run / "ckpt" / f"step_{STEPS:07d}"), saved(tmp_path / "ckpt" / f"step_{STEPS:07d}")
+    assert ran.keys() == replayed.keys() and all(ran[k].equal(replayed[k]) for k in ran)
+
+
+def test_molt_update_equals_a_plain_torch_grpo_step(first_run):
+    """Issue 26 §2: on the dumped groups of first_run (on-policy, max_lag=0), Molt's advantages, loss, gradient and
+    updated weights for estimator=grpo loss=ppo_clip equal a GRPO step written out in plain torch on the Hugging Face
+    model (experiments/benchmarks/reference_grpo.py: padded batch, no packing), to fp32 tolerance, over three steps
+    (so AdamW's moments are compared too). The weights' tolerance is 1% of one step (lr): AdamW's first step moves a
+    weight by lr g / (|g| + 1e-8), so the fp32 noise of a gradient near 1e-8 (a sum that cancels) shows there; measured
+    2e-5 at most, and it does not grow over the steps."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from experiments.benchmarks import reference_grpo as ref
+    from molt import dump
+    from molt.actor.actor import Actor
+    from molt.algo.loss import Objective
+    from molt.assets import ensure_model
+    from molt.loop import prepare
+    from tests.test_config import compose
+
+    cfg = compose("experiment=quickstart")  # grpo, ppo_clip, is_correction off, lr 2e-3, clip 1
+    assert (cfg.estimator.name, cfg.loss.name, cfg.is_correction.level) == ("grpo", "ppo_clip", "off")
+    model_dir = ensure_model(cfg.model.path, cfg.model.build)
+    actor = Actor(model_dir, cfg.train, objective=Objective.from_config(cfg))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.betas), weight_decay=0.0)
+    for entry in dump.index(first_run / "dump")[:3]:
+        groups, _ = dump.read_step(first_run / "dump", entry)
+        rollouts = [r for g in groups for r in g.rollouts]
+        adv = ref.advantages([r.reward for r in rollouts], [i for i, g in enumerate(groups) for _ in g.rollouts])
+        prep = prepare(groups, cfg)
+        assert torch.allclose(torch.tensor(prep.advantages), adv, atol=1e-6)
+        got = actor.train_step(prep.segments, prep.advantages)
+        loss, norm = ref.grpo_step(model, opt, [(s.token_ids, s.loss_mask, s.logprobs) for s in prep.segments], adv,
+                                   cfg.train.grad_clip, clip_low=cfg.loss.clip_low, clip_high=cfg.loss.clip_high)
+        assert abs(got["loss/policy"] - loss) <= 1e-6 and abs(got["grad_norm"] - norm) <= 1e-5 * norm, (got, loss, norm)
+        theirs = dict(model.named_parameters())
+        for name, p in actor.model.named_parameters():
+            assert torch.allclose(p.grad, theirs[name].grad, rtol=1e-4, atol=1e-6), (entry, name)
+            assert torch.allclose(p, theirs[name], rtol=0, atol=0.01 * cfg.train.lr), (entry, name)
+
+
 PAGES = (0, STEPS - 1)  # first_run's trajectory pages (view.every follows eval.every=STEPS, and the last step)
 
 

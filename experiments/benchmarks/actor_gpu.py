@@ -46,7 +46,7 @@ from molt.actor import actor as actor_mod
 from molt.actor import parallel
 from molt.actor.actor import Actor, token_logprobs
 from molt.actor.pack import pack, to_device
-from molt.config import FsdpConfig, TrainConfig
+from molt.config import FsdpConfig, LoraConfig, TrainConfig
 from molt.types import Segment
 
 PEAK_TFLOPS = 989.0  # dense bf16, H100/H200 SXM datasheet
@@ -209,6 +209,8 @@ def actor(path: Path, cfg, rows: int, row_tokens: int, variant: dict, mem: dict,
                         activation_checkpointing=bool(variant.get("ac")), compile=bool(variant.get("compile")))
     set_head_chunk(variant.get("chunk", actor_mod.HEAD_CHUNK))
     kw = dict(fsdp=FsdpConfig(), mesh=mesh) if mesh is not None else {}
+    if variant.get("lora"):  # LoRA adapters on every linear layer of the decoder (molt/actor/lora.py)
+        kw["lora_cfg"] = LoraConfig(rank=variant["lora"], target_modules=ALL_LINEAR)
     with fsdp_knobs(variant), load_memory(mem):
         act = Actor(path, train, dtype=variant.get("dtype", "bfloat16"), attn_implementation=variant["attn"],
                     device="cuda", **kw)
@@ -375,10 +377,14 @@ def matmul_ceiling() -> float:
 
 FP32 = dict(attn="flex_attention", dtype="float32", mesh=True)  # fp32 masters through FSDP2 (bf16 compute)
 MASTER = dict(attn="flex_attention", dtype="float32")  # no mesh: fp32 masters in the optimizer (the 1-GPU default)
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 VARIANTS = {  # most telling first: --deadline skips the tail. compile = train.compile (layers + head), AC =
     # train.activation_checkpointing; every other actor variant uses fused AdamW (the actor's default on CUDA)
     "dense": [
         dict(name="actor fp32 masters in optimizer +compile", compile=True, **MASTER),
+        dict(name="actor LoRA r16 fp32 masters +compile", compile=True, lora=16, **MASTER),
+        dict(name="actor fp32 masters in optimizer", **MASTER),
+        dict(name="actor LoRA r16 fp32 masters", lora=16, **MASTER),
         dict(name="actor fp32+FSDP2 bf16 flex +compile", compile=True, **FP32),
         dict(name="fp32+FSDP2 +compile as before", compile=True, before=True, **FP32),
         dict(name="fp32+FSDP2 +compile keep-unsharded", compile=True, keep_unsharded=True, **FP32),
@@ -390,6 +396,9 @@ VARIANTS = {  # most telling first: --deadline skips the tail. compile = train.c
     ],
     "moe": [
         dict(name="actor fp32 masters in optimizer +compile", compile=True, **MASTER),
+        dict(name="actor LoRA r16 fp32 masters +compile", compile=True, lora=16, **MASTER),
+        dict(name="actor fp32 masters in optimizer", **MASTER),
+        dict(name="actor LoRA r16 fp32 masters", lora=16, **MASTER),
         dict(name="actor fp32 masters in optimizer +AC +compile", ac=True, compile=True, **MASTER),
         dict(name="actor fp32+FSDP2 bf16 flex +compile", compile=True, **FP32),
         dict(name="fp32+FSDP2 +compile as before", compile=True, before=True, **FP32),

@@ -16,7 +16,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers.core_model_loading import revert_weight_conversion
 
-from molt.actor import attention, context, loading, parallel, speed, vision
+from molt.actor import attention, context, loading, lora, parallel, speed, vision
 from molt.actor import replay as replay_mod
 from molt.actor.master import MasterAdamW
 from molt.actor.state import load_models, save_models
@@ -28,7 +28,7 @@ from molt.types import Batch, Segment
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from molt.config import FsdpConfig, TrainConfig
+    from molt.config import FsdpConfig, LoraConfig, TrainConfig
 
 ATTENTION = (attention.NAME, "sdpa", "eager", "flex_attention")  # all honour packed rows through position_ids (pack.py)
 HEAD_CHUNK = 1024  # tokens per vocabulary projection: bounds the live (tokens, vocab) logits
@@ -134,11 +134,13 @@ class Actor:
     receives the whole batch and trains its own data shard, and every method is a collective.
 
     `objective` (molt/algo/loss.py Objective) is the whole loss, chosen by the run; the helper models it or the
-    estimator needs (molt/actor/helpers.py) are built with `add_helper` on this actor's device and layout."""
+    estimator needs (molt/actor/helpers.py) are built with `add_helper` on this actor's device and layout.
+    With lora_cfg.rank > 0 the policy trains LoRA adapters on its frozen base (molt/actor/lora.py)."""
 
     def __init__(self, model_dir: str | Path, train: TrainConfig, dtype: str = "float32",
                  attn_implementation: str | None = None, device: str = "cpu", objective=None,
-                 fsdp: FsdpConfig | None = None, mesh: DeviceMesh | None = None, master: bool | None = None):
+                 fsdp: FsdpConfig | None = None, mesh: DeviceMesh | None = None, master: bool | None = None,
+                 lora_cfg: LoraConfig | None = None):
         # a vision tower attends under its own padding mask, which molt_varlen (no mask function) would drop
         attn_implementation = attn_implementation or ("sdpa" if vision.is_vision(model_dir) else
                                                       speed.fast_attention(device))
@@ -154,7 +156,8 @@ class Actor:
         self.helpers: dict = {}
         self.transfer = None  # engine.sync=nccl: the trainer side of the engines' group (molt/sync/nccl.py)
         self.kept: list[list[float]] | None = None  # train_step(keep_logprobs=True): per segment, its log-probs
-        self.model = self.build(model_dir, trainable=True, replay=train.routing_replay)
+        self.model_dir, self.lora = str(model_dir), lora_cfg if lora_cfg is not None and lora_cfg.rank > 0 else None
+        self.model = self.build(model_dir, trainable=True, replay=train.routing_replay, adapters=self.lora)
         self.optimizer = self.adamw(self.model, train.lr)
 
     def adamw(self, model, lr: float) -> torch.optim.Optimizer:
@@ -166,10 +169,11 @@ class Actor:
         on_gpu = self.device.type == "cuda" and (self.fsdp is None or self.fsdp.offload != "optimizer")
         return torch.optim.AdamW(model.parameters(), fused=on_gpu or None, **kw)
 
-    def build(self, model_dir, trainable: bool, replay: bool, fresh: dict | None = None):
+    def build(self, model_dir, trainable: bool, replay: bool, fresh: dict | None = None, adapters=None):
         """A model (the policy or a helper) in this actor's dtype, device and layout. Without a mesh it is loaded
         whole (the numerical reference); with one it is built on the meta device, laid out, and each rank reads only
-        its own shards (molt/actor/loading.py). fresh: name -> fn(model) -> module to add, zero-initialised."""
+        its own shards (molt/actor/loading.py). fresh: name -> fn(model) -> module to add, zero-initialised.
+        adapters: a LoraConfig: LoRA adapters on the frozen model, put in before the layout (lora.py)."""
         fresh = fresh or {}
         layout = dict(checkpointing=trainable and self.cfg.activation_checkpointing, replay=replay,
                       compile_head=_chosen_logprobs if self.cfg.compile else None,
@@ -179,16 +183,23 @@ class Actor:
             model = load_model(model_dir, dtype, self.attn, self.device, trainable, self.cfg.freeze_vision)
             for name, make in fresh.items():
                 setattr(model, name, _zeros(make(model)).to(self.device).requires_grad_(trainable))
+            if adapters is not None:
+                lora.init_adapters(lora.inject(model, adapters), adapters.seed)
             return parallel.parallelize(model, None, **layout)
         model = loading.meta_model(model_dir, _dtype(self.dtype), self.attn)
         for name, make in fresh.items():
             setattr(model, name, make(model).to("meta"))
+        if adapters is not None:
+            lora.inject(model, adapters)
         parallel.parallelize(model, self.mesh, self.fsdp, **layout)
         # offloaded shards live on the host (FSDP2 CPUOffloadPolicy); the rest on this rank's device
         offload = self.fsdp is not None and self.fsdp.offload == "optimizer"
-        loading.materialize(model, model_dir, "cpu" if offload else self.device, fresh=tuple(fresh))
+        loading.materialize(model, model_dir, "cpu" if offload else self.device,
+                            fresh=(*fresh, *((".lora_A.", ".lora_B.") if adapters is not None else ())))
         model.eval().requires_grad_(trainable)
         vision.attach(model, model_dir, freeze=self.cfg.freeze_vision)
+        if adapters is not None:
+            lora.init_adapters(lora.freeze_base(model), adapters.seed)
         return model
 
     def backward(self, segments: list[Segment], advantages: list, temperature: float = 1.0,
@@ -212,7 +223,8 @@ class Actor:
         for mb in mbs:
             with torch.no_grad():  # helper scores the objective takes, e.g. the KL reference's log-probs, (r, t) each
                 aux = {n: self.helpers[n].score(mb, temperature) for n in self.objective.needs}
-            with replay_mod.routes(self.model, mb):  # held through backward: checkpointed layers re-route there
+            # held through backward: checkpointed layers re-route (and re-drop: lora.dropout) there
+            with replay_mod.routes(self.model, mb), lora.dropout_on(self.model):
                 logp, entropy = token_logprobs(self.model, mb, temperature, loss_only=True, entropy=True)  # (r, t) x 2
                 loss, metrics = self.objective(logp, entropy, mb, n, n_seq, **aux)
                 loss.backward()
@@ -333,8 +345,15 @@ class Actor:
 
         Gotcha: transformers fuses some checkpoint tensors on load (Qwen3-MoE's per-expert gate/up/down become
         3-D gate_up_proj/down_proj); an engine reloading the fused names silently keeps its old experts, so
-        the conversion is reverted here, as save_pretrained does."""
+        the conversion is reverted here, as save_pretrained does.
+        With LoRA: only the adapted weights, merged (W + alpha/r B A), and the ones vLLM fuses with them (lora.py)."""
+        if self.lora is not None:
+            return lora.merged(self.model, parallel.full_tensors(self.model, only=lora.sync_names(self.model)))
         return revert_weight_conversion(self.model, parallel.full_tensors(self.model, head=True))
+
+    def export_adapters(self) -> dict[str, torch.Tensor]:
+        """LoRA: the adapters' full tensors, fp32 on the host (engine.sync=adapter; a collective with a mesh)."""
+        return parallel.full_tensors(self.model, only=lora.adapter_names(self.model))
 
     def apply(self, fn, *args):
         """fn(self, *args): how a layer above the actor (the weight sync, molt/sync/) runs its code on the actor,
@@ -351,9 +370,13 @@ class Actor:
         return (f.dp_size, f.ep_size, f.cp_size) if f is not None and self.mesh is not None else (1, 1, 1)
 
     def save(self, path: str) -> None:
-        """Write the policy and trainable helpers (model + optimizer) under path (state.py); with a mesh a
-        collective, every rank writing its own shards."""
+        """Write the policy and trainable helpers (model + optimizer) under path (state.py; with LoRA the adapters
+        and their optimizer state only); with a mesh a collective, every rank writing its own shards."""
         save_models(self._trained(), path, self.mesh)
+        if self.lora is not None:  # and as a PEFT adapter folder, what `python -m molt.checkpoint export` hands out
+            full = self.export_adapters()
+            if self.mesh is None or torch.distributed.get_rank() == 0:
+                lora.write_adapter(full, self.lora, self.model_dir, f"{path}/adapter")
 
     def load(self, path: str) -> None:
         """Restore from a checkpoint written by any layout (a collective with a mesh)."""

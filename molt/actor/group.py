@@ -39,10 +39,10 @@ def init_distributed(rank: int | None = None, world_size: int | None = None, por
     return device
 
 
-def rank_actor(model_dir, train, fsdp, device: str, dtype: str = "float32", objective=None) -> Actor:
+def rank_actor(model_dir, train, fsdp, device: str, dtype: str = "float32", objective=None, lora_cfg=None) -> Actor:
     """This rank's Actor on the (dp, ep, cp) mesh of fsdp (the process group must be initialised)."""
     mesh = build_mesh(fsdp, torch.device(device).type)
-    return Actor(model_dir, train, dtype, device=device, objective=objective, fsdp=fsdp, mesh=mesh)
+    return Actor(model_dir, train, dtype, device=device, objective=objective, fsdp=fsdp, mesh=mesh, lora_cfg=lora_cfg)
 
 
 def run_actor(cfg, model_dir, device: str = "cpu", mesh: bool = False) -> Actor:
@@ -51,8 +51,8 @@ def run_actor(cfg, model_dir, device: str = "cpu", mesh: bool = False) -> Actor:
     from molt.algo.loss import Objective
 
     objective = Objective.from_config(cfg)
-    actor = (rank_actor(str(model_dir), cfg.train, cfg.fsdp, device, cfg.model.dtype, objective) if mesh else
-             Actor(str(model_dir), cfg.train, cfg.model.dtype, device=device, objective=objective))
+    actor = (rank_actor(str(model_dir), cfg.train, cfg.fsdp, device, cfg.model.dtype, objective, cfg.lora) if mesh else
+             Actor(str(model_dir), cfg.train, cfg.model.dtype, device=device, objective=objective, lora_cfg=cfg.lora))
     for name in helpers_needed(cfg):
         actor.helpers[name] = helpers.build(name, actor, cfg, model_dir)
     return actor
@@ -81,8 +81,8 @@ class ActorGroup:
     (molt/actor/state.py); `load` restores from a checkpoint written by any layout."""
 
     # the Actor methods the loop and the checkpoint call on a group: each a collective over the ranks
-    METHODS = {"train_step", "train_helpers", "logprobs", "score", "export_weights", "save", "load", "apply",
-               "kept_logprobs"}
+    METHODS = {"train_step", "train_helpers", "logprobs", "score", "export_weights", "export_adapters", "save", "load",
+               "apply", "kept_logprobs"}
 
     def __init__(self, cfg, model_dir):
         import ray

@@ -1,6 +1,7 @@
 """Models an estimator or the loss needs beside the policy, built by the actor on its own device and layout.
 
-    reference   the frozen initial policy (train.kl_coef > 0: the KL penalty, scored on every micro-batch)
+    reference   the frozen initial policy (train.kl_coef > 0: the KL penalty, scored on every micro-batch); with LoRA
+                the policy itself with its adapters bypassed (no second copy)
     teacher     a frozen model of the same tokenizer (estimator=opd: the teacher's log-probs)
     critic      the policy's architecture with a scalar value head and its own AdamW (estimator=gae)
 
@@ -15,7 +16,7 @@ import math
 
 import torch
 
-from molt.actor import replay
+from molt.actor import lora, replay
 from molt.actor.actor import token_logprobs
 from molt.actor.context import forward_kwargs
 from molt.actor.pack import NO_TARGET, pack
@@ -24,13 +25,15 @@ from molt.types import Batch
 
 
 class Frozen:
-    """A frozen causal LM: its log-probs of the batch's tokens."""
+    """A frozen causal LM: its log-probs of the batch's tokens. `model`: score that one's base (LoRA adapters
+    bypassed) instead of loading `path`."""
 
-    def __init__(self, actor, path, replay: bool):
-        self.model = actor.build(path, trainable=False, replay=replay)
+    def __init__(self, actor, path, replay: bool, model=None):
+        self.model = model if model is not None else actor.build(path, trainable=False, replay=replay)
 
     def score(self, mb: Batch, temperature: float) -> torch.Tensor:
-        with replay.routes(self.model, mb):  # the reference routes as the policy does (no-op unless installed)
+        # the reference routes as the policy does (no-op unless installed); adapters off (no-op without)
+        with replay.routes(self.model, mb), lora.disabled(self.model):
             return token_logprobs(self.model, mb, temperature)  # (r, t)
 
 
@@ -78,7 +81,8 @@ class Critic:
 def build(name: str, actor, cfg, model_dir):
     """Helper `name` for the run `cfg` (the loop's resolved config) beside the policy at `model_dir`."""
     e = cfg.estimator
-    make = {"reference": lambda: Frozen(actor, model_dir, replay=cfg.train.routing_replay),
+    base = actor.model if actor.lora is not None else None  # LoRA: the reference is the policy's own base
+    make = {"reference": lambda: Frozen(actor, model_dir, replay=cfg.train.routing_replay, model=base),
             "teacher": lambda: Frozen(actor, e.teacher_path, replay=False),  # its own routing: no replay
             "critic": lambda: Critic(actor, model_dir, e.critic_lr)}
     return make[name]()

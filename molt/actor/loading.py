@@ -116,16 +116,17 @@ def empty_on(model, device):
 @torch.no_grad()
 def materialize(model, model_dir: str | Path, device, fresh: tuple[str, ...] = ()) -> None:
     """Allocate this rank's shards on `device` and fill them from the safetensors of `model_dir`; parameters under
-    a `fresh` prefix (modules added to the architecture, e.g. a value head) start at zero."""
+    whose name holds a `fresh` part (modules added to the architecture: a value head, LoRA adapters) start at zero."""
     model = empty_on(model, device)
     ckpt = SafetensorsDir(model_dir, model)
     missing = []
     for name, p in [*model.named_parameters(), *model.named_buffers()]:  # deduplicated: a tied head is the embedding
         local, region = local_region(model, name, p)
-        if name.startswith(fresh):
+        key = name.replace(".base_layer.", ".")  # a LoRA layer (peft) holds the checkpoint's weight one level down
+        if any(f in name for f in fresh):
             local.zero_()
-        elif name in ckpt:
-            local.copy_(ckpt.read(name, region))
+        elif key in ckpt:
+            local.copy_(ckpt.read(key, region))
         elif isinstance(p, torch.nn.Parameter):  # a buffer no checkpoint holds (rotary tables) keeps its value
             missing.append(name)
     if missing:

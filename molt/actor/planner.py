@@ -238,13 +238,17 @@ def run_plan(cfg) -> str:
     device = f"{cfg.cluster.gpus_per_node} GPUs/node" if cfg.cluster.gpus_per_node else "cpu"
     env = "" if cfg.cluster.gpus_per_node else f"VLLM_CPU_KVCACHE_SPACE={e.kv_cache_gb} "
     source = f"built by recipe {cfg.model.build!r} if missing" if cfg.model.build else "existing directory"
-    lines = ["processes",
-             "  driver      this process: the loop, advantages, weight sync, MLflow",
-             *(f"  engine {i}    {env}python -m vllm.entrypoints.openai.api_server "
+    engines = [f"  engine {i}    {env}python -m vllm.entrypoints.openai.api_server "
                + " ".join(server_cmd(e, cfg.model.path, e.base_port + i if e.base_port else "<free>",
                                      f"<0700 dir>/engine{i}.sock" if e.uds else "")[3:])
-               for i in range(e.num_engines)),
-             f"  rollout     agent.mode={cfg.agent.mode} ({cfg.agent.module}), up to {r.max_inflight_groups} groups in flight",
+               for i in range(e.num_engines)]
+    rollout = f"agent.mode={cfg.agent.mode} ({cfg.agent.module}), up to {r.max_inflight_groups} groups in flight"
+    if t.replay_rollouts:  # molt/loop.py replay: the groups come from a dump
+        engines, rollout = ["  engine      none"], f"none: the dumped steps of {t.replay_rollouts}, in order"
+    lines = ["processes",
+             "  driver      this process: the loop, advantages, weight sync, MLflow",
+             *engines,
+             f"  rollout     {rollout}",
              f"  actor       {d['world_size']} rank(s) on {device} x {cfg.cluster.num_nodes} node(s)",
              f"layout        dp {f.dp_size} x ep {f.ep_size} x cp {f.cp_size} = world size {d['world_size']}, "
              f"offload {f.offload}",

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor, Shard
 
+from molt.actor import lora
 from molt.actor.master import MasterAdamW
 
 # A 1-rank actor saves and loads in its own process, without a process group: DCP warns about that on every call,
@@ -87,6 +88,8 @@ def untied(state: dict) -> dict:
 
 def _payload(model, optimizer, mesh) -> tuple[dict, dict]:
     model_sd = untied(get_model_state_dict(model))
+    if lora.active(model):  # the frozen base is the model directory's: a checkpoint holds the adapters
+        model_sd = {k: t for k, t in model_sd.items() if lora.is_adapter(k)}
     optim_sd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=False))
     if isinstance(optimizer, MasterAdamW):  # the fp32 masters are the weights on disk, as with FSDP2's fp32 params
         params = dict(model.named_parameters(remove_duplicate=False))

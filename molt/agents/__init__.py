@@ -16,6 +16,7 @@ from typing import Any, Callable
 from molt.agents import images
 from molt.agents.chat_agent import run_chat_rollout
 from molt.agents.env import run_env_rollout
+from molt.agents.verifiers import run_verifiers_rollout
 from molt.types import EngineDied, Group, Rollout, RolloutFailed
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,9 @@ class Mode:
 
 
 MODES = {"env": Mode("make_env", run_env_rollout, "molt/agents/env.py"),
-         "chat": Mode("run_agent", run_chat_rollout, "molt/agents/chat_agent.py")}
+         "chat": Mode("run_agent", run_chat_rollout, "molt/agents/chat_agent.py"),
+         # the agent is the verifiers environment agent.verifiers names; the module is Molt's bridge to it
+         "verifiers": Mode("run_verifiers_rollout", run_verifiers_rollout, "molt/agents/verifiers.py")}
 
 
 def load_agent(mode: str, module: Any) -> Callable:

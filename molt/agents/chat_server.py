@@ -271,10 +271,36 @@ RESPONSES = Wire(responses.RRequest, responses.conversation, responses.options, 
 # ---- the server ----
 
 
+RELAY_HEADER = "X-Session-ID"  # verifiers' eval client sends its trace id in it, the same on every turn of a run
+
+
+@dataclass
+class Relay:
+    """A stable route for one client that serves many sessions (verifiers' eval client keeps one HTTP client per
+    base URL for as long as it runs): one key; each request names its session by RELAY_HEADER. The relay's owner
+    registers a session under that name before the client's first request of it is sent, but the announcement may
+    be read after the request arrives: an unknown name is waited for, `wait_s` at most."""
+
+    sid: str = field(default_factory=lambda: secrets.token_hex(8))
+    key: str = field(default_factory=lambda: secrets.token_hex(16))
+    sessions: dict[str, Session] = field(default_factory=dict)
+    wait_s: float = 10.0
+
+    async def session(self, name: str) -> Session:
+        for _ in range(int(self.wait_s / 0.01)):
+            if name in self.sessions:
+                break
+            await asyncio.sleep(0.01)
+        if name not in self.sessions:
+            raise ChatError(404, f"unknown {RELAY_HEADER} {name!r} on this route: it has ended or never existed")
+        return self.sessions[name]
+
+
 @dataclass
 class ChatServer:
     model: str = "policy"  # the name /v1/models lists; replies echo the request's model (any name: there is one policy)
     sessions: dict[str, Session] = field(default_factory=dict)
+    relays: dict[str, Relay] = field(default_factory=dict)  # route id -> Relay: routes shared by many sessions
     port: int = 0
     server: Optional[uvicorn.Server] = None
     task: Optional[asyncio.Task] = None
@@ -284,13 +310,22 @@ class ChatServer:
         return f"http://127.0.0.1:{self.port}"
 
 
-def _session(srv: ChatServer, sid: str, request: Request) -> Session:
+def _check_key(request: Request, key: str) -> None:
+    given = request.headers.get("x-api-key") or request.headers.get("authorization", "").removeprefix("Bearer ")
+    if not secrets.compare_digest(given.strip().encode(), key.encode()):
+        raise ChatError(401, "wrong API key for this session (use the key the rollout was given)")
+
+
+async def _session(srv: ChatServer, sid: str, request: Request, named: bool = True) -> Optional[Session]:
+    """The request's session: by its route, or on a relay's route by its X-Session-ID (None when not `named`)."""
+    relay = srv.relays.get(sid)
+    if relay is not None:
+        _check_key(request, relay.key)
+        return await relay.session(request.headers.get(RELAY_HEADER, "")) if named else None
     s = srv.sessions.get(sid)
     if s is None:
         raise ChatError(404, f"unknown session {sid!r}: it has ended or never existed")
-    key = request.headers.get("x-api-key") or request.headers.get("authorization", "").removeprefix("Bearer ")
-    if not secrets.compare_digest(key.strip().encode(), s.key.encode()):
-        raise ChatError(401, "wrong API key for this session (use the key the rollout was given)")
+    _check_key(request, s.key)
     return s
 
 
@@ -317,7 +352,7 @@ def _read(s: Session, w: Wire, body: bytes) -> tuple[Any, list[dict], dict]:
 
 
 async def _serve(srv: ChatServer, sid: str, request: Request, w: Wire):
-    s = _session(srv, sid, request)
+    s = await _session(srv, sid, request)
     try:
         req, convo, options = await asyncio.to_thread(_read, s, w, await _body(s, request))
         reply = await complete(s, convo, **options, gone=request.is_disconnected)
@@ -345,7 +380,7 @@ async def _serve(srv: ChatServer, sid: str, request: Request, w: Wire):
 async def _count_tokens(srv: ChatServer, sid: str, request: Request) -> dict:
     """The prompt length of a Messages request as complete() would render it (extending the current segment or not),
     from the chat template; nothing is generated, recorded or counted as a turn."""
-    s = _session(srv, sid, request)
+    s = await _session(srv, sid, request)
     _, convo, _ = await asyncio.to_thread(_read, s, COUNT, await _body(s, request))
     async with s.lock:
         try:
@@ -366,7 +401,7 @@ def build_app(srv: ChatServer) -> FastAPI:
 
     @app.get("/s/{sid}/v1/models")
     async def models(sid: str, request: Request):
-        _session(srv, sid, request)
+        await _session(srv, sid, request, named=False)
         return {"object": "list", "data": [{"id": srv.model, "object": "model", "created": 0, "owned_by": "molt"}]}
 
     @app.post("/s/{sid}/v1/chat/completions")

@@ -52,6 +52,14 @@ MARK = "MOLT_SCRATCH"  # in every CLI's environment: its scratch directory, so s
 # the name: Codex drops such variables from the environment of the commands it runs)
 PASSED = ("PATH", "LANG", "LC_ALL", "TZ", "USER", "LOGNAME", "SHELL")  # the worker's variables a CLI sees
 
+# Both CLIs are run with their shell tool only and a one-line system prompt: their defaults (12 tools and ~7k characters
+# of instructions; Codex's skills, apps and collaboration sections, web search, agents and goals) make a first prompt
+# of 12.7k (Claude Code) and 6.7k (Codex) tokens with SmolLM2's tokenizer, these 1.6k and 2.2k: a small policy's
+# context holds them, and every turn (which re-sends the whole history) costs a quarter to an eighth as much.
+SYSTEM_PROMPT = "You are a coding agent. Run shell commands with {tool}."
+CODEX_SHRUNK = ('include_apps_instructions = false\ninclude_collaboration_mode_instructions = false\n'
+                'web_search = "disabled"')
+
 Harness = Callable[[ChatContext, str, Path], tuple[list[str], dict[str, str]]]
 # (ctx, task, home) -> (argv, environment); it may write its config files under `home`
 
@@ -65,7 +73,7 @@ def claude(ctx: ChatContext, task: str, home: Path) -> tuple[list[str], dict[str
     than the server allows, so that a long rollout ends on the server's refusal (truncated), not on Claude's own
     limit (an error exit: failed)."""
     argv = [str(BIN / "claude"), "-p", task, "--output-format", "json", "--max-turns", str(ctx.max_turns + 1),
-            "--allowedTools", "Write,Edit,Read,Bash"]
+            "--tools", "Bash", "--allowedTools", "Bash", "--system-prompt", SYSTEM_PROMPT.format(tool="the Bash tool")]
     return argv, {"ANTHROPIC_BASE_URL": ctx.anthropic_base_url, "ANTHROPIC_API_KEY": ctx.api_key,
                   "ANTHROPIC_MODEL": ctx.model, "ANTHROPIC_SMALL_FAST_MODEL": ctx.model,
                   "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(ctx.max_tokens),
@@ -75,9 +83,12 @@ def claude(ctx: ChatContext, task: str, home: Path) -> tuple[list[str], dict[str
 def codex(ctx: ChatContext, task: str, home: Path) -> tuple[list[str], dict[str, str]]:
     """Codex CLI, OpenAI Responses (its only protocol): POST <base_url>/responses, configured in CODEX_HOME."""
     (home / "codex").mkdir()
+    (home / "codex" / "instructions.md").write_text(SYSTEM_PROMPT.format(tool="exec_command"))
     (home / "codex" / "config.toml").write_text(
-        f'model = {json.dumps(ctx.model)}\nmodel_provider = "molt"\n\n[model_providers.molt]\nname = "molt"\n'
-        f'base_url = {json.dumps(ctx.base_url)}\nenv_key = "MOLT_API_KEY"\nwire_api = "responses"\n')
+        f'model = {json.dumps(ctx.model)}\nmodel_provider = "molt"\n{CODEX_SHRUNK}\n'
+        f'model_instructions_file = {json.dumps(str(home / "codex" / "instructions.md"))}\n\n[model_providers.molt]\n'
+        f'name = "molt"\nbase_url = {json.dumps(ctx.base_url)}\nenv_key = "MOLT_API_KEY"\nwire_api = "responses"\n'
+        '\n[features]\nmulti_agent = false\ngoals = false\n')
     argv = [str(BIN / "codex"), "exec", "--skip-git-repo-check", "--sandbox", "workspace-write", task]
     return argv, {"CODEX_HOME": str(home / "codex"), "MOLT_API_KEY": ctx.api_key}
 
@@ -146,7 +157,7 @@ async def _run(argv: list[str], env: dict, cwd: Path, log: Path, timeout_s: floa
         tree = _descendants(proc.pid)  # before the group goes: those that left it are still its children now
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # the session's leader started the group: pgid = pid
-        await asyncio.to_thread(_kill_strays, tree, env[MARK])  # psutil reads every process: not on the loop
+        await asyncio.to_thread(kill_strays, tree, env[MARK])  # psutil reads every process: not on the loop
         await proc.wait()
 
 
@@ -156,7 +167,7 @@ def _descendants(pid: int) -> list[psutil.Process]:
     return []
 
 
-def _kill_strays(tree: list[psutil.Process], mark: str) -> None:
+def kill_strays(tree: list[psutil.Process], mark: str) -> None:
     """SIGKILL the processes that left the CLI's group: its descendants (while it lived) and, after, any process
     that carries its mark (orphans reparent to init), until none is left (a stray may fork while we look)."""
     strays = [p for p in tree if p.is_running()]  # is_running also checks the start time: no reused pid

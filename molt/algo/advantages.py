@@ -155,7 +155,8 @@ def _bind(fn: Callable, cfg, rewards, group_ids, tables: dict):
         if k in tables or hasattr(cfg, k):
             kwargs[k] = tables[k] if k in tables else getattr(cfg, k)
         assert k in kwargs or p.default is not p.empty, f"estimator {cfg.name} needs the per-token input {k!r}"
-    return fn(torch.as_tensor(rewards, dtype=torch.float32), torch.as_tensor(group_ids), **kwargs)
+    # float64: a reward equal to its group's mean gets advantage 0, not float32 rounding / std (Adam would step on it)
+    return fn(torch.as_tensor(rewards, dtype=torch.float64), torch.as_tensor(group_ids), **kwargs)
 
 
 def compute_advantages(cfg, rewards: torch.Tensor, group_ids: torch.Tensor, **tables) -> torch.Tensor:

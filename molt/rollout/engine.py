@@ -37,7 +37,8 @@ from molt.reaper import SHM_LIST, private_env, private_tmp, shared_memory, unlin
 from molt.rollout import routes
 from molt.types import Completion, EngineDied
 
-SERVED_NAME = "policy"
+SERVED_NAME = "policy"  # what every request names; under engine.sync=adapter the LoRA adapter, over BASE_NAME
+BASE_NAME = "policy-base"
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _LIBC = ctypes.CDLL(None, use_errno=True)  # resolved here: no dlopen between fork and exec
 
@@ -50,7 +51,7 @@ def server_cmd(cfg: EngineConfig, model_dir: str | Path, port: int, uds: str = "
     """The vLLM server command line for one engine: on a Unix socket `uds`, or TCP on 127.0.0.1:port."""
     where = ["--uds", uds] if uds else ["--host", "127.0.0.1", "--port", str(port)]
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           *where, "--served-model-name", SERVED_NAME,
+           *where, "--served-model-name", BASE_NAME if cfg.sync == "adapter" else SERVED_NAME,
            "--dtype", cfg.dtype, "--max-model-len", str(cfg.max_model_len), "--max-num-seqs", str(cfg.max_num_seqs),
            # behaviour log-probs of the distribution actually sampled (after temperature/top-p/top-k)
            "--logprobs-mode", "processed_logprobs",
@@ -61,13 +62,15 @@ def server_cmd(cfg: EngineConfig, model_dir: str | Path, port: int, uds: str = "
            "--worker-extension-cls", "molt.rollout.vllm_ext.MoltWorker",  # molt_reload_weights (see vllm_ext.py)
            "--disable-uvicorn-access-log"]
     flags = {"--enforce-eager": cfg.enforce_eager, "--no-enable-prefix-caching": not cfg.enable_prefix_caching,
-             "--enable-return-routed-experts": cfg.return_routed_experts}
+             "--enable-return-routed-experts": cfg.return_routed_experts,
+             "--enable-lora": cfg.sync == "adapter"}  # the policy's adapter, loaded on each sync (molt/sync/reload.py)
     cmd += [flag for flag, on in flags.items() if on]
     options = {"--speculative-config": cfg.speculative_config,
                # the workers join actor rank 0's NCCL group on /init_weight_transfer_engine (nccl.py)
                "--weight-transfer-config": '{"backend": "nccl"}' if cfg.sync == "nccl" else None,
                "--tensor-parallel-size": cfg.tensor_parallel_size if cfg.tensor_parallel_size > 1 else None,
-               "--data-parallel-size": cfg.data_parallel_size if cfg.data_parallel_size > 1 else None}
+               "--data-parallel-size": cfg.data_parallel_size if cfg.data_parallel_size > 1 else None,
+               "--max-lora-rank": cfg.max_lora_rank if cfg.sync == "adapter" else None}
     cmd += [a for opt, value in options.items() if value for a in (opt, str(value))]  # options left unset: omitted
     if _cpu_build():  # a seeded request (rollout.seed) sampled mid-prompt has its generator rewound, which CPU
         # generators cannot ("CPU Generator does not use offset": the engine dies): prompts are prefilled whole
@@ -160,6 +163,7 @@ class EngineServer:
                     VLLM_API_KEY=self.api_key,
                     HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=str(self.cfg.kv_cache_gb),
                     VLLM_CPU_OMP_THREADS_BIND=self.cfg.cpu_threads_bind, VLLM_HTTP_TIMEOUT_KEEP_ALIVE="60",
+                    VLLM_ALLOW_RUNTIME_LORA_UPDATING="1" if self.cfg.sync == "adapter" else "0",  # /v1/load_lora_adapter
                     # vLLM's cache (VLLM_CACHE_ROOT, default ~/.cache/vllm) is shared between runs: with the model
                     # class's description cached there, a start skips a subprocess that imports vLLM again
                     **private_env(f"{self.tmp}/{self.name}"))  # vLLM's temp files: ZMQ IPC sockets, FileStore
@@ -444,7 +448,8 @@ class EngineClient:
                   stop_token_ids=stop_token_ids or [], logprobs=0, detokenize=False)
         if seed is not None:
             sp["seed"] = seed
-        body = {"token_ids": token_ids, "sampling_params": sp} | ({"features": features} if features else {})
+        body = {"token_ids": token_ids, "sampling_params": sp, "model": SERVED_NAME} | (
+            {"features": features} if features else {})
         out = await self._call("POST", "/inference/v1/generate", json=body)
         assert len(out["choices"]) == n, f"engine {self.name}: asked for {n} samples, got {len(out['choices'])}"
         choices = sorted(out["choices"], key=lambda ch: ch.get("index", 0))
@@ -470,7 +475,7 @@ class EngineClient:
         prompt's images (molt/rollout/features.py), scored through the token endpoint, which takes them."""
         if features:
             sp = dict(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
-            body = {"token_ids": token_ids, "sampling_params": sp, "features": features}
+            body = {"token_ids": token_ids, "sampling_params": sp, "features": features, "model": SERVED_NAME}
             scored = (await self._call("POST", "/inference/v1/generate", json=body))["prompt_logprobs"]
         else:
             body = {"model": SERVED_NAME, "prompt": token_ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
@@ -488,6 +493,15 @@ class EngineClient:
     async def reload_weights(self, weights_dir: str | Path) -> None:
         rpc = {"method": "molt_reload_weights", "kwargs": {"weights_path": str(weights_dir)}}  # vllm_ext.py
         await self._call("POST", "/collective_rpc", json=rpc)
+
+    async def load_adapter(self, adapter_dir: str | Path) -> None:
+        """engine.sync=adapter: serve the PEFT folder's adapter as the policy, in place of the previous one."""
+        body = {"lora_name": SERVED_NAME, "lora_path": str(adapter_dir), "load_inplace": True}
+        status, text = await self.send("POST", "/v1/load_lora_adapter", json=body)  # answers plain text
+        if status == 0 or status >= 500:
+            raise EngineDied(self.name, f"POST /v1/load_lora_adapter: HTTP {status} {text[:500]}")
+        if status >= 400:
+            raise RuntimeError(f"engine {self.name} refused the adapter {adapter_dir}: HTTP {status} {text[:500]}")
 
     async def reset_prefix_cache(self) -> None:
         await self._call("POST", "/reset_prefix_cache")

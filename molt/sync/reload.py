@@ -1,6 +1,7 @@
 """Weight sync, the `reload` path: the actor's weights as safetensors in a directory every engine reads in place.
 
     await sync_weights(clients, actor.export_weights(), version, sync_dir, pause_mode)   # pause, reload, label, resume
+    await sync_adapter(clients, actor.export_adapters(), cfg.lora, base, version, sync_dir, pause_mode)  # LoRA only
     diff = await verify_sync(clients[0], probe_ids, actor_logprobs, tol)                # the engine now agrees
 
 The NCCL path (engine.sync=nccl) is molt/sync/nccl.py.
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from molt.actor.lora import write_adapter
 from molt.rollout.engine import EngineClient
 
 
@@ -68,12 +70,38 @@ async def sync_weights(clients: list[EngineClient], state_dict: dict[str, torch.
     try:
         write_checkpoint(state_dict, weights_dir)
         async with paused(clients, version, pause_mode):
-            done = await asyncio.gather(*(c.reload_weights(weights_dir) for c in clients), return_exceptions=True)
-            for failure in (d for d in done if isinstance(d, BaseException)):  # once every engine has finished
-                raise failure
+            await _on_all(clients, lambda c: c.reload_weights(weights_dir))
     finally:
         shutil.rmtree(weights_dir, ignore_errors=True)
     return time.perf_counter() - t0
+
+
+async def _on_all(clients: list[EngineClient], call) -> None:
+    done = await asyncio.gather(*(call(c) for c in clients), return_exceptions=True)
+    for failure in (d for d in done if isinstance(d, BaseException)):  # once every engine has finished
+        raise failure
+
+
+async def sync_adapter(clients: list[EngineClient], adapters: dict[str, torch.Tensor], lora_cfg, base: str,
+                       version: int, sync_dir: str | Path, pause_mode: str = "wait") -> float:
+    """engine.sync=adapter: the LoRA adapters (full tensors, the actor's names) as a PEFT folder every engine loads as
+    the policy (`--enable-lora`, /v1/load_lora_adapter); the base weights never move. Returns seconds. The folder
+    stays until the next version's is loaded: an engine reads it again if it ever evicts the adapter."""
+    t0 = time.perf_counter()
+    # molt/reaper.py sweeps what a SIGKILL leaves (the writer's pid in the name)
+    adapter_dir = Path(sync_dir) / f"molt-sync-{os.getpid()}-v{version}-adapter"
+    write_adapter(adapters, lora_cfg, base, adapter_dir)
+    async with paused(clients, version, pause_mode):
+        await _on_all(clients, lambda c: c.load_adapter(adapter_dir))
+    drop_adapters(sync_dir, keep=adapter_dir)
+    return time.perf_counter() - t0
+
+
+def drop_adapters(sync_dir: str | Path, keep: Path | None = None) -> None:
+    """This process's adapter folders in sync_dir, but `keep` (all of them once the engines are gone)."""
+    for old in Path(sync_dir).glob(f"molt-sync-{os.getpid()}-v*-adapter"):
+        if old != keep:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 async def verify_sync(client: EngineClient, probe_ids: list[int], expected_logprobs: list[float], tol: float,

@@ -11,7 +11,7 @@ from molt.actor.helpers import Frozen
 from molt.actor.pack import micro_batches, pack
 from molt.assets import ensure_model
 from molt.algo.loss import LOSSES, Objective
-from molt.config import IsCorrectionConfig, LossConfig, TrainConfig
+from molt.config import IsCorrectionConfig, LoraConfig, LossConfig, TrainConfig
 from molt.types import Segment
 from tests.algo.test_loss import loss_config
 
@@ -87,9 +87,10 @@ def test_packed_logprobs_equal_unpacked(model_dir, attn):
     assert diff <= 1e-5 and all(p[0] == 0.0 for p in packed)
 
 
-@pytest.mark.parametrize("loss", sorted(LOSSES))
-def test_gradient_independent_of_micro_batch_split(model_dir, loss):
-    actor = Actor(model_dir, TrainConfig(row_tokens=32, micro_batch_rows=1), objective=Objective(loss_config(loss)))
+@pytest.mark.parametrize("loss,lora_rank", [(name, 0) for name in sorted(LOSSES)] + [("ppo_clip", 4)])
+def test_gradient_independent_of_micro_batch_split(model_dir, loss, lora_rank):
+    actor = Actor(model_dir, TrainConfig(row_tokens=32, micro_batch_rows=1), objective=Objective(loss_config(loss)),
+                  lora_cfg=LoraConfig(rank=lora_rank, target_modules=["q_proj", "v_proj", "down_proj"]))
     segs = make_segments()
     # behaviour a little off the actor so some ratios leave the clip band
     segs = with_logprobs(segs, actor.logprobs(segs), shift=0.0)
@@ -101,8 +102,12 @@ def test_gradient_independent_of_micro_batch_split(model_dir, loss):
         actor.cfg = dataclasses.replace(actor.cfg, micro_batch_rows=rows)
         actor.model.zero_grad(set_to_none=True)
         metrics.append(actor.backward(segs, adv))
-        grads.append({k: p.grad.clone() for k, p in actor.model.named_parameters()})
+        grads.append({k: p.grad.clone() for k, p in actor.model.named_parameters() if p.grad is not None})
     assert 0 < metrics[0]["clip/frac"] < 1
+    if lora_rank:  # LoRA: gradients for the adapters only (B's: A's are 0 while B = 0)
+        adapted = {k for k, m in actor.model.named_modules() if hasattr(m, "lora_A")}
+        assert {k.split(".lora_")[0] for k in grads[0]} == adapted and len(adapted) == 6  # 3 targets x 2 layers
+        assert all(".lora_" in k for k in grads[0]) and any(g.abs().sum() > 0 for g in grads[0].values())
     for g in grads[1:]:
         for k in g:
             torch.testing.assert_close(g[k], grads[0][k], rtol=0, atol=1e-6)
@@ -273,3 +278,23 @@ def test_entropy_and_reference_kl(model_dir):
     assert m["kl/ref_k3"] == pytest.approx(0.0, abs=1e-7)
     assert actor.train_step(segs, [1.0] * len(segs), temperature=0.7)["kl/ref_k3"] > 1e-4
     assert all(not p.requires_grad for p in actor.helpers["reference"].model.parameters())
+
+
+def test_lora_reference_is_the_base_model_without_a_second_copy(model_dir):
+    """With LoRA, train.kl_coef > 0 scores the reference with the policy's own model, adapters bypassed: the base
+    model's log-probs (a plain actor's), a KL of 0 before any step and > 0 after; nothing else is loaded."""
+    from molt.actor.group import run_actor
+    from tests.test_config import compose
+
+    cfg = compose("lora.rank=4", "train.kl_coef=0.5", "train.row_tokens=64", "train.lr=1e-2")
+    actor = run_actor(cfg, model_dir)
+    ref = actor.helpers["reference"]
+    assert ref.model is actor.model
+    segs = make_segments(seed=5)
+    segs = with_logprobs(segs, actor.logprobs(segs))
+    assert actor.train_step(segs, [1.0] * len(segs))["kl/ref_k3"] == pytest.approx(0.0, abs=1e-7)
+    assert actor.train_step(segs, [1.0] * len(segs))["kl/ref_k3"] > 1e-4
+    base = Actor(model_dir, TrainConfig(row_tokens=64)).logprobs(segs)
+    scored = actor._per_token(lambda mb: ref.score(mb, 1.0), segs)
+    diff = lambda a, b: max(abs(x - y) for p, q in zip(a, b) for x, y in zip(p, q))  # noqa: E731
+    assert diff(scored, base) <= 1e-6 and diff(actor.logprobs(segs), base) > 1e-3

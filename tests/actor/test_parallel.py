@@ -2,7 +2,9 @@
 
 The batch is 4 packed rows (one segment per row) and train.micro_batch_rows=1, so the 1-rank reference is
 dp=1 x ga=4, the dp2 layouts are dp=2 x ga=2 and dp4 is dp=4 x ga=1: matching gradients across them is the
-global token-mean property. A 3-row batch on 4 data shards exercises the padding micro-batch.
+global token-mean property. A 3-row batch on 4 data shards exercises the padding micro-batch. The LoRA layouts
+(lora.rank > 0: adapters on the attention, the base frozen) reproduce 1-rank LoRA the same way, and only adapters
+have gradients.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from molt.actor.actor import Actor
 from molt.actor.group import init_distributed, rank_actor
 from molt.actor.parallel import full_tensors
 from molt.assets import ensure_model
-from molt.config import FsdpConfig, TrainConfig
+from molt.config import FsdpConfig, LoraConfig, TrainConfig
 from molt.net import free_port
 from molt.types import Segment
 
@@ -43,13 +45,13 @@ def run_steps(actor, rows: int) -> dict:
     segs, adv = segments(rows)
     metrics = actor.train_step(segs, adv)
     return {"metrics": metrics, "grads": full_tensors(actor.model, grads=True) if actor.mesh else
-            {n: p.grad.clone() for n, p in actor.model.named_parameters()},
+            {n: p.grad.clone() for n, p in actor.model.named_parameters() if p.grad is not None},
             "weights": actor.export_weights(), "logprobs": actor.logprobs(segs)}
 
 
-def _rank(rank, world, port, model_dir, fsdp, rows, out):
+def _rank(rank, world, port, model_dir, fsdp, rows, out, lora=None):
     torch.set_num_threads(1)
-    actor = rank_actor(model_dir, TRAIN, fsdp, init_distributed(rank, world, port, gpu=False))
+    actor = rank_actor(model_dir, TRAIN, fsdp, init_distributed(rank, world, port, gpu=False), lora_cfg=lora)
     result = run_steps(actor, rows)
     if rank == 0:
         torch.save(result, out)
@@ -69,34 +71,39 @@ def reference(models):
     torch.manual_seed(0)
     cache = {}
 
-    def get(name, rows):
-        if (name, rows) not in cache:
-            cache[name, rows] = run_steps(Actor(models[name], TRAIN), rows)
-        return cache[name, rows]
+    def get(name, rows, lora=None):
+        if (name, rows, repr(lora)) not in cache:
+            cache[name, rows, repr(lora)] = run_steps(Actor(models[name], TRAIN, lora_cfg=lora), rows)
+        return cache[name, rows, repr(lora)]
     return get
 
 
-LAYOUTS = [  # (model, dp, ep, cp, offload, rows)
-    ("tiny", 2, 1, 1, "none", 4),  # dp=2 x ga=2
-    ("tiny", 4, 1, 1, "none", 4),  # dp=4 x ga=1
-    ("tiny_moe", 1, 2, 1, "none", 4),
-    ("tiny_moe", 2, 2, 1, "none", 3),  # 4 data shards, 3 rows: one shard runs a padding micro-batch
-    ("tiny", 2, 1, 1, "optimizer", 4),
-    pytest.param("tiny", 1, 1, 2, "none", 4, marks=pytest.mark.skipif(not HAS_CP, reason="no context.py")),
-    pytest.param("tiny_moe", 1, 2, 2, "none", 4, marks=pytest.mark.skipif(not HAS_CP, reason="no context.py")),
+LORA = LoraConfig(rank=4, alpha=8.0, seed=3)
+LAYOUTS = [  # (model, dp, ep, cp, offload, rows, lora)
+    ("tiny", 2, 1, 1, "none", 4, None),  # dp=2 x ga=2
+    ("tiny", 4, 1, 1, "none", 4, None),  # dp=4 x ga=1
+    ("tiny_moe", 1, 2, 1, "none", 4, None),
+    ("tiny_moe", 2, 2, 1, "none", 3, None),  # 4 data shards, 3 rows: one shard runs a padding micro-batch
+    ("tiny", 2, 1, 1, "optimizer", 4, None),
+    pytest.param("tiny", 1, 1, 2, "none", 4, None, marks=pytest.mark.skipif(not HAS_CP, reason="no context.py")),
+    pytest.param("tiny_moe", 1, 2, 2, "none", 4, None, marks=pytest.mark.skipif(not HAS_CP, reason="no context.py")),
+    pytest.param("tiny", 2, 1, 1, "none", 3, LORA, id="tiny-lora-dp2"),  # 2 data shards, 3 rows: one pads
+    pytest.param("tiny_moe", 1, 2, 2, "none", 4, LORA, id="tiny_moe-lora-ep2-cp2",
+                 marks=pytest.mark.skipif(not HAS_CP, reason="no context.py")),
 ]
 
 
-@pytest.mark.parametrize("name,dp,ep,cp,offload,rows", LAYOUTS)
-def test_layout_reproduces_one_rank(models, reference, tmp_path, name, dp, ep, cp, offload, rows):
+@pytest.mark.parametrize("name,dp,ep,cp,offload,rows,lora", LAYOUTS)
+def test_layout_reproduces_one_rank(models, reference, tmp_path, name, dp, ep, cp, offload, rows, lora):
     fsdp = FsdpConfig(dp_size=dp, ep_size=ep, cp_size=cp, offload=offload)
     out = tmp_path / "rank0.pt"
-    mp.spawn(_rank, args=(dp * ep * cp, free_port(), str(models[name]), fsdp, rows, str(out)), nprocs=dp * ep * cp)
-    got, ref = torch.load(out, weights_only=False), reference(name, rows)
+    mp.spawn(_rank, args=(dp * ep * cp, free_port(), str(models[name]), fsdp, rows, str(out), lora), nprocs=dp * ep * cp)
+    got, ref = torch.load(out, weights_only=False), reference(name, rows, lora)
     assert ref["metrics"]["rows"] == rows
     for key in ("loss/policy", "grad_norm", "tokens/loss", "entropy/mean", "mismatch/logprob_abs_max"):
         assert got["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-5, abs=1e-7), key
     assert got["grads"].keys() == ref["grads"].keys()
+    assert lora is None or ref["grads"] and all(".lora_" in n for n in ref["grads"])  # LoRA: the base stays frozen
     for n, g in ref["grads"].items():
         torch.testing.assert_close(got["grads"][n], g, rtol=1e-4, atol=1e-7, msg=lambda m: f"grad {n}: {m}")
     assert got["weights"].keys() == ref["weights"].keys()

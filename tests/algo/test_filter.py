@@ -37,7 +37,7 @@ def test_constant_groups_are_dropped_and_the_batch_fills_up():
     kept, counts, granted, left = run_collect(groups)
     assert [g.group_id for g in kept] == ["g1", "g3"] and left == 1  # g4 stays queued for the next step
     assert counts["filtered"] == 2 and granted == [1, 1]  # each dropped group's credit went back at once
-    metrics = rollout_metrics(kept, counts, 1, 0.0)
+    metrics = rollout_metrics(kept, counts, 1)
     assert metrics["filter/dropped"] == 2 and metrics["filter/dropped_frac"] == pytest.approx(2 / 4)
 
 

