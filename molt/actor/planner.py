@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from molt.actor.vision import is_vision
 from molt.assets import hf_config, model_facts
 from molt.config import FsdpConfig, derived
 
@@ -219,6 +220,8 @@ def dry_run_text(cfg) -> str:
     if not (Path(cfg.model.path) / "config.json").exists():
         return (f"memory        not planned: {cfg.model.path} has no config.json yet "
                 "(the recipe builds it at the first run)")
+    if is_vision(cfg.model.path):  # the plan reads a causal LM's shards: a vision-language run would crash on it
+        return "memory        not planned: vision-language models are not planned yet"
     return format_plan(plan_memory(cfg), cfg)
 
 

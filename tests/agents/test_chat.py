@@ -616,7 +616,8 @@ def test_every_mode_checks_its_rollouts_and_records_failures_one_way(loop, clien
     after it: the same status, reward, counters and reason in every mode; a failed rollout keeps what it generated,
     and every segment is checked and counted."""
     agents = {"env": OneTurnEnv, "chat": one_call_agent}
-    assert set(agents) == set(MODES), "a new mode needs its agents here"
+    # verifiers runs its episodes in a bridge process: its failures are tested in tests/agents/test_verifiers.py
+    assert set(agents) | {"verifiers"} == set(MODES), "a new mode needs its agents here"
     cfg = AgentConfig(mode="chat", max_turns=1, max_tokens_per_turn=4, max_total_tokens=128)
     seen = {}
     for mode, agent in agents.items():

@@ -66,7 +66,7 @@ def test_sweep_on_two_tasks_is_one_array_that_trains_and_molt_compare_tables_and
     dry = molt(*sweep, "dry_run=true", timeout=120)
     assert dry.returncode == 0 and not queue(), dry.stderr
     sessions = ray_sessions()
-    out = molt(*sweep)
+    out = molt(*sweep, timeout=1200)  # two jobs one after the other: 5-10 min on 2 busy cores
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     ids = [line.split()[4] for line in out.stdout.splitlines() if line.startswith("molt: submitted Slurm job")]
     assert len(ids) == 2 and {i.split("_")[0] for i in ids} == {ids[0].split("_")[0]}, ids  # one array
