@@ -504,7 +504,9 @@ class EngineClient:
             raise RuntimeError(f"engine {self.name} refused the adapter {adapter_dir}: HTTP {status} {text[:500]}")
 
     async def reset_prefix_cache(self) -> None:
-        await self._call("POST", "/reset_prefix_cache")
+        """Drop the cached KV (the old weights computed it); vLLM answers success false while a request holds blocks."""
+        if not (await self._call("POST", "/reset_prefix_cache"))["success"]:
+            raise RuntimeError(f"engine {self.name} kept its prefix cache: a request still held blocks")
 
     async def set_version(self, version: int) -> None:
         await self._call("POST", "/update_weight_version", json={"new_version": str(version)})

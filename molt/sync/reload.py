@@ -49,7 +49,8 @@ async def paused(clients: list[EngineClient], version: int, pause_mode: str = "w
     """Every engine paused around a weight update (both sync paths): on success their prefix caches are dropped
     (cached KV was computed by the old weights) and the weights labelled `version`; they are resumed whatever
     happened. pause_mode (engine.pause_mode): wait lets the requests in flight finish on the old weights first; keep
-    freezes them and they go on under the new ones, their later tokens labelled `version`."""
+    freezes them (vLLM's pause preempts them: their KV is computed again) and they go on under the new ones, their
+    later tokens labelled `version`."""
     await asyncio.gather(*(c.pause(pause_mode) for c in clients))
     try:
         yield
