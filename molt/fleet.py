@@ -24,7 +24,6 @@ from ray.util.queue import Queue
 
 from molt.net import free_port, node_address
 from molt.rollout.features import engine_features
-from molt.sync import nccl
 from molt.sync.reload import drop_adapters, sync_adapter, sync_weights, verify_sync
 from molt.types import EngineDied, Segment
 
@@ -60,6 +59,7 @@ class Fleet:
     async def _push(self, clients) -> float:
         e = self.cfg.engine
         if self.version and e.sync == "nccl":  # every engine at once, over the group (formed again after a restart)
+            from molt.sync import nccl  # imports vLLM (seconds): only on this path
             if not self.joined:
                 address = node_address()
                 await asyncio.to_thread(self.actor.apply, nccl.connect, list(self.clients.values()),
@@ -104,6 +104,8 @@ class Fleet:
         log.warning("engine %s died (%s): restarting it (%d of engine.max_restarts=%d within %g s)", name, why,
                     len(self.restarts), e.max_restarts, e.restart_window_s)
         if self.joined:  # engine.sync=nccl: the group lost a member; the next push forms it again
+            from molt.sync import nccl
+
             self.actor.apply(nccl.disconnect)
             self.joined = False
         self.servers[name].restart()

@@ -10,17 +10,17 @@ only them.
 
 peft inserts `.base_layer` into the base weight's name and adds `lora_A.default` / `lora_B.default`; the module
 tree is otherwise the model's own (inject_adapter_in_model, not PeftModel), so FSDP2, EP and CP wrap it unchanged.
+peft is imported by the first injection only: importing it costs seconds in every process of a run.
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import math
+import sys
 from pathlib import Path
 
 import torch
-from peft import LoraConfig, inject_adapter_in_model
-from peft.tuners.lora import LoraLayer
 
 ADAPTER = "default"  # peft's adapter name inside the module tree; PEFT folders drop it
 # vLLM fuses these projections into one tensor (qkv_proj, gate_up_proj): a reload that brings one of them rebuilds
@@ -28,7 +28,9 @@ ADAPTER = "default"  # peft's adapter name inside the module tree; PEFT folders 
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def peft_config(cfg) -> LoraConfig:
+def peft_config(cfg):
+    from peft import LoraConfig
+
     return LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                       target_modules=list(cfg.target_modules), bias="none")
 
@@ -69,6 +71,8 @@ def problem(model, cfg) -> str | None:
 
 def inject(model, cfg):
     """Freeze the base, put an adapter on every target (on the meta device too: materialize fills it)."""
+    from peft import inject_adapter_in_model
+
     inject_adapter_in_model(peft_config(cfg), model, adapter_name=ADAPTER)
     return freeze_base(model)
 
@@ -84,8 +88,17 @@ def adapter_names(model) -> set[str]:
     return {n for n, _ in model.named_parameters() if is_adapter(n)}
 
 
+def layers(model) -> dict[str, torch.nn.Module]:
+    """name -> peft LoRA layer of the model (none before peft was imported: only inject imports it)."""
+    if "peft" not in sys.modules:
+        return {}
+    from peft.tuners.lora import LoraLayer
+
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
 def active(model) -> bool:
-    return any(isinstance(m, LoraLayer) for m in model.modules())
+    return bool(layers(model))
 
 
 @torch.no_grad()
@@ -108,20 +121,20 @@ def init_adapters(model, seed: int) -> None:
 def disabled(model):
     """The base model's forward inside (adapters bypassed). `_disable_adapters` is the flag peft's own
     enable_adapters sets; that method would also flip requires_grad on the (FSDP-managed) adapter parameters."""
-    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
-    for m in layers:
+    adapted = layers(model).values()
+    for m in adapted:
         m._disable_adapters = True
     try:
         yield
     finally:
-        for m in layers:
+        for m in adapted:
             m._disable_adapters = False
 
 
 @contextlib.contextmanager
 def dropout_on(model):
     """lora.dropout in the training forward only: the model stays in eval mode, its adapters' dropout trains."""
-    drops = [d for m in model.modules() if isinstance(m, LoraLayer) for d in m.lora_dropout.values()]
+    drops = [d for m in layers(model).values() for d in m.lora_dropout.values()]
     for d in drops:
         d.train()
     try:
@@ -134,7 +147,7 @@ def dropout_on(model):
 def sync_names(model) -> set[str]:
     """The state-dict names a merged sync needs: each adapted module's base weight and adapters, and the weights of
     the projections vLLM fuses with an adapted one."""
-    adapted = {n for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+    adapted = set(layers(model))
     need = set(adapted)
     for name in adapted:
         parent, _, leaf = name.rpartition(".")

@@ -199,8 +199,10 @@ def test_pause_keep_labels_each_token_with_the_weights_that_sampled_it(engine, h
             while not stop.is_set():
                 await asyncio.sleep(0.2)
                 replies.append(await long_reply(c))
-        sender = asyncio.create_task(send())
-        await until_running(c, replies[0])
+        sender, deadline = asyncio.create_task(send()), time.monotonic() + 120
+        while not await running(c):  # one of the replies is being generated (on idle cores each lasts ~1 s)
+            assert time.monotonic() < deadline, "no reply ever ran"
+            await asyncio.sleep(0.01)
         async with paused([c], old + 1, "keep"):
             stop.set()
             await sender
