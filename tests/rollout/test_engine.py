@@ -118,28 +118,26 @@ async def running(c) -> bool:
     return any(float(x.split()[-1]) for x in text.splitlines() if x.startswith("vllm:num_requests_running"))
 
 
-async def until_running(c, task: asyncio.Task, timeout_s: float = 60) -> None:
-    """Wait until the engine generates for a request (its /metrics) while `task` runs."""
-    deadline = time.monotonic() + timeout_s
-    while not task.done() and time.monotonic() < deadline:
-        if await running(c):
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("the request finished or never ran before the sync: nothing was in flight")
+async def replies_during(c, sync):
+    """400-token replies sent every 0.2 s from before `sync()` (awaited once the engine generates one of them) until it
+    has returned: whenever its pause lands (1-2 s after it is sent on busy cores, longer than a reply), some reply is
+    in flight. (what sync() returned, the replies' Completions)"""
+    replies, stop = [await long_reply(c)], asyncio.Event()
 
-
-async def running_reply(c, tries: int = 5) -> asyncio.Task:
-    """A 400-token reply that the engine was seen generating, so that a sync that follows finds it in flight (on
-    idle cores a reply can end before /metrics answers: then another is sent)."""
-    for attempt in range(tries):
-        task = await long_reply(c)
-        try:
-            await until_running(c, task)
-            return task
-        except AssertionError:
-            await task
-            if attempt == tries - 1:
-                raise
+    async def send():
+        while not stop.is_set():
+            await asyncio.sleep(0.2)
+            replies.append(await long_reply(c))
+    sender, deadline = asyncio.create_task(send()), time.monotonic() + 120
+    try:
+        while not await running(c):  # one of the replies is being generated (on idle cores each lasts ~1 s)
+            assert time.monotonic() < deadline, "no reply ever ran"
+            await asyncio.sleep(0.01)
+        result = await sync()
+    finally:
+        stop.set()
+        await sender
+    return result, await asyncio.gather(*replies)
 
 
 @pytest.mark.usefixtures("restores_weights")
@@ -155,10 +153,12 @@ def test_weight_sync_reload(engine, hf_model, tmp_path):
     async def main():
         c = engine.client()
         assert max_diff(await c.prompt_logprobs(PROBE), old) < 1e-4
-        inflight = await running_reply(c)  # ignore_eos: a random model's early eos would leave nothing in flight
-        TIMINGS["sync tiny model (s)"] = await sync_weights([c], sd, 1, tmp_path)
-        done = await inflight  # pause(wait) lets it finish on the old weights rather than aborting it
-        assert done.finish_reason in ("stop", "length") and done.version == 0
+        # ignore_eos replies: a random model's early eos would leave nothing in flight
+        TIMINGS["sync tiny model (s)"], outs = await replies_during(c, lambda: sync_weights([c], sd, 1, tmp_path))
+        # pause(wait) lets the replies in flight finish on the old weights rather than aborting them or going on
+        # under the new ones: each is whole and of one version
+        assert all(len(o.token_ids) == 400 and set(o.token_versions) == {o.version} for o in outs)
+        assert 0 in {o.version for o in outs} <= {0, 1}
         assert list(tmp_path.iterdir()) == [], "the sync directory was not deleted"
         diff = await verify_sync(c, PROBE, new, tol=1e-4)
         with pytest.raises(RuntimeError, match=engine.name):
@@ -188,26 +188,14 @@ def test_pause_keep_labels_each_token_with_the_weights_that_sampled_it(engine, h
     (tmp_path / "sync").mkdir()
 
     async def main():
-        """400-token replies sent every 0.2 s until a keep-sync has paused the engine: whenever the pause lands (1-2 s
-        after it is sent on busy cores, longer than a reply), some reply is in flight."""
         c = engine.client()
         old = await c.version() + 1
         await sync_weights([c], hf_model.state_dict(), old, tmp_path / "sync")  # the reference weights, as `old`
-        replies, stop = [await long_reply(c)], asyncio.Event()
 
-        async def send():
-            while not stop.is_set():
-                await asyncio.sleep(0.2)
-                replies.append(await long_reply(c))
-        sender, deadline = asyncio.create_task(send()), time.monotonic() + 120
-        while not await running(c):  # one of the replies is being generated (on idle cores each lasts ~1 s)
-            assert time.monotonic() < deadline, "no reply ever ran"
-            await asyncio.sleep(0.01)
-        async with paused([c], old + 1, "keep"):
-            stop.set()
-            await sender
-            await c.reload_weights(new_dir)
-        outs = await asyncio.gather(*replies)
+        async def keep_sync():
+            async with paused([c], old + 1, "keep"):
+                await c.reload_weights(new_dir)
+        _, outs = await replies_during(c, keep_sync)
         await c.aclose()
         return old, outs
 
