@@ -270,7 +270,8 @@ def test_rollouts_whose_engine_dies_start_again_from_scratch(model_dir, tok, tmp
     killed processes left in /dev/shm goes with them (issue 23 item 4)."""
     cfg = AgentConfig(max_turns=3, max_tokens_per_turn=200, max_total_tokens=700)  # long turns: killed mid-request
     reports = []
-    with launch_engines(EngineConfig(), model_dir, tmp_path) as servers:
+    # bound (auto): vLLM's worker in a process of its own, fed through message queues in /dev/shm (nobind has none)
+    with launch_engines(EngineConfig(cpu_threads_bind="auto"), model_dir, tmp_path) as servers:
         server = servers[0]
         router = Router([server.client(60.0)], seed=5, on_down=lambda name, epoch: reports.append((name, epoch)))
         segments = set()  # /dev/shm/psm_* of the engine's processes (vLLM's message queues)

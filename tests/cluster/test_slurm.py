@@ -148,7 +148,8 @@ def test_requeued_job_resumes_and_scancel_leaves_no_process_behind(slurm, tmp_pa
     """`scontrol requeue` restarts the job, which resumes its checkpoint into the same MLflow run; then scancel
     signals every process of the job at once: the vLLM server, Ray's daemons and the actor must all go, and the
     MLflow run is marked KILLED. (One job for both: each job start costs an engine and a Ray cluster.)"""
-    proc, job = submit(*TINY, "train.steps=100000", "train.save_every=2", "eval.every=0", f"hydra.sweep.dir={tmp_path}")
+    proc, job = submit(*TINY, "train.steps=100000", "train.save_every=2", "eval.every=0", f"hydra.sweep.dir={tmp_path}",
+                       "engine.cpu_threads_bind=auto")  # vLLM's worker in its own process: its rings in /dev/shm
     wait_for("0/checkpoints/step_*", tmp_path)
     held = shm_of(job)
     requeue(job)
