@@ -164,7 +164,11 @@ class EngineServer:
         # that vLLM's OpenMP manager starts bound (its multiproc executor, which the CPU build otherwise forces)
         uniproc = (_cpu_build() and self.cfg.cpu_threads_bind == "nobind"
                    and self.cfg.tensor_parallel_size * self.cfg.data_parallel_size == 1)
-        return dict(os.environ, VLLM_SERVER_DEV_MODE="1",  # pause/resume/collective_rpc routes (see the class doc)
+        # eager on the CPU build: no torch.compile at all. vLLM compiles its sampler's helpers with Inductor even so
+        # (the token-rank count behind every logprobs request): 8-9 s at an engine's first logprobs request, every
+        # start, since Inductor caches under the engine's own TMPDIR, which goes with the run
+        eager = {"TORCH_COMPILE_DISABLE": "1"} if _cpu_build() and self.cfg.enforce_eager else {}
+        return dict(os.environ, **eager, VLLM_SERVER_DEV_MODE="1",  # pause/resume/collective_rpc (see the class doc)
                     VLLM_ENABLE_V1_MULTIPROCESSING="0" if uniproc else "1",
                     VLLM_API_KEY=self.api_key,
                     HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=str(self.cfg.kv_cache_gb),
