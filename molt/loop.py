@@ -37,7 +37,7 @@ from molt.algo.advantages import ESTIMATORS, compute_advantages, helper_targets,
 from molt.assets import ensure_model
 from molt.config import derived
 from molt.fleet import Fleet
-from molt.rollout.engine import launch_engines
+from molt.rollout.engine import launch_engines, wait_ready
 from molt.types import Segment
 
 log = logging.getLogger(__name__)
@@ -55,23 +55,24 @@ def run(cfg) -> None:
         replaying = bool(cfg.train.replay_rollouts)  # no engine, no rollout worker: Ray only for actor ranks
         if not replaying or ranked(cfg):
             stack.enter_context(ray_session(tmp))
-        engines = None if replaying else stack.enter_context(launch_engines(
+        engines = None if replaying else stack.enter_context(launch_engines(  # started: train waits for them
             cfg.engine, model_dir, Path(cfg.output_dir) / "engines", cfg.cluster.engine_tasks,
-            cfg.cluster.gpus_per_node > 0, tmp))
+            cfg.cluster.gpus_per_node > 0, tmp, wait=False))
         stack.enter_context(tracking.mlflow_run(cfg, derived(cfg), resume_run=cluster.requeued()))  # with the reaper (molt/reaper.py)
         stop = stack.enter_context(stop_on_interrupt())
         replay(cfg, model_dir, stop) if replaying else train(cfg, model_dir, engines, stop)
 
 
 def train(cfg, model_dir: Path, engines, stop: threading.Event) -> None:
-    actor = make_actor(cfg, model_dir)
+    actor = make_actor(cfg, model_dir)  # while the engines start (their start is mostly one core importing vLLM)
     fleet = Fleet(engines, cfg, actor, asyncio.new_event_loop())  # syncs engines, replaces those that die
     version, position = restore(cfg, actor)
+    queue = Queue()
+    fleet.worker = worker = RolloutWorker.options(**net.on_task(0)).remote(  # its process starts meanwhile too
+        cfg, list(fleet.clients.values()), queue, str(model_dir), credits(cfg), fleet.reports)
+    wait_ready(engines, cfg.engine.startup_timeout_s)
     if version or cfg.engine.sync == "adapter":  # the engines serve the initial weights (adapter: not yet the policy)
         fleet.sync(version)
-    queue = Queue()
-    fleet.worker = worker = RolloutWorker.options(**net.on_task(0)).remote(
-        cfg, list(fleet.clients.values()), queue, str(model_dir), credits(cfg), fleet.reports)
     ray.get(worker.start.remote(position))
     bar = tracking.progress(version, cfg.train.steps)
     for step in bar:

@@ -325,11 +325,12 @@ class RemoteEngine:
 
 @contextlib.contextmanager
 def launch_engines(cfg: EngineConfig, model_dir: str | Path, log_dir: str | Path, tasks: list[int] = (),
-                   gpus: bool = False, tmp: str = "") -> Iterator[list]:
-    """Start cfg.num_engines servers concurrently, wait until all are healthy, always stop them. `tasks`: the Slurm
-    task of each engine (cluster.engine_tasks); an engine on a task other than 0 (the loop's) runs there in an
-    EngineHost (Ray must be up), with tensor_parallel_size x data_parallel_size GPUs when `gpus`; the others are
-    processes of this one, with their files in `tmp` (the run's 0700 directory; by default one of their own)."""
+                   gpus: bool = False, tmp: str = "", wait: bool = True) -> Iterator[list]:
+    """Start cfg.num_engines servers concurrently, wait until all are healthy (wait=False: the caller does, with
+    `wait_ready`, having done other work meanwhile), always stop them. `tasks`: the Slurm task of each engine
+    (cluster.engine_tasks); an engine on a task other than 0 (the loop's) runs there in an EngineHost (Ray must be
+    up), with tensor_parallel_size x data_parallel_size GPUs when `gpus`; the others are processes of this one, with
+    their files in `tmp` (the run's 0700 directory; by default one of their own)."""
     assert cfg.num_engines >= 1, f"engine.num_engines={cfg.num_engines}: need at least one engine"
     tasks = list(tasks) or [0] * cfg.num_engines
     ports = [cfg.base_port + i if cfg.base_port else 0 for i in range(cfg.num_engines)]
@@ -343,16 +344,23 @@ def launch_engines(cfg: EngineConfig, model_dir: str | Path, log_dir: str | Path
             for s in servers:
                 if isinstance(s, EngineServer):
                     s.start()  # in this thread: the parent-death signal is tied to the forking thread
-            deadline = time.monotonic() + cfg.startup_timeout_s
-            for s in servers:
-                if isinstance(s, EngineServer):
-                    s.wait_healthy(max(deadline - time.monotonic(), 1.0))
-                else:  # its host waits until the server is healthy; then, where it really runs
-                    print(f"molt: {s.name} on Slurm task {s._get('slurm_task')}, reached through Ray", flush=True)
+            if wait:
+                wait_ready(servers, cfg.startup_timeout_s)
             yield servers
         finally:
             with ThreadPoolExecutor(len(servers)) as pool:
                 list(pool.map(lambda s: s.stop(), servers))
+
+
+def wait_ready(servers: list, timeout_s: float) -> None:
+    """Until every server of launch_engines is healthy (at most timeout_s in all); an engine that exits first raises
+    with the last lines of its log."""
+    deadline = time.monotonic() + timeout_s
+    for s in servers:
+        if isinstance(s, EngineServer):
+            s.wait_healthy(max(deadline - time.monotonic(), 1.0))
+        else:  # its host waits until the server is healthy; then, where it really runs
+            print(f"molt: {s.name} on Slurm task {s._get('slurm_task')}, reached through Ray", flush=True)
 
 
 def _remote(name: str, cfg: EngineConfig, model_dir: str, log_dir: str, key: str, task: int,
