@@ -173,7 +173,7 @@ def test_molt_trains_the_verifiers_experiment_on_the_engines_tokens(tmp_path):
     by the taskset; the bridge and its harnesses leave no process."""
     from tests.test_loop import history, leftovers, molt
     tmp = tempfile.mkdtemp(prefix="t")  # the run's TMPDIR, short: Ray's socket paths in it must fit in 107 bytes
-    out = molt("experiment=verifiers", "train.steps=2", "train.groups_per_step=2", "rollout.n=4", "rollout.max_lag=0",
+    out = molt("experiment=verifiers", "train.steps=2", "train.groups_per_step=1", "rollout.n=4", "rollout.max_lag=0",
                "eval.every=0", "view.every=0", f"hydra.run.dir={tmp_path / 'run'}", f"checkpoint_dir={tmp_path / 'ck'}",
                f"train.dump_rollouts={tmp_path / 'dump'}", tmpdir=tmp)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -181,7 +181,7 @@ def test_molt_trains_the_verifiers_experiment_on_the_engines_tokens(tmp_path):
     assert run_.data.params["agent.mode"] == "verifiers" and len(hist("reward/mean")) == 2
     assert max(hist("mismatch/logprob_abs_max")) <= 1e-4, "trained on exactly what the engine sampled"
     rows = [json.loads(line) for line in open(tmp_path / "dump" / "rollouts.jsonl")]
-    assert len(rows) == 2 * 2 * 4 and all(r["status"] == "ok" for r in rows), [r["error"] for r in rows]
+    assert len(rows) == 2 * 1 * 4 and all(r["status"] == "ok" for r in rows), [r["error"] for r in rows]
     assert all(abs(r["reward"] - r["info"]["vf/count"]) < 1e-9 for r in rows), "the taskset's reward (weight 1)"
     marked = []  # the bridge and its harnesses carry their scratch directory, under the run's TMPDIR, as their mark
     for p in psutil.process_iter():
