@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from molt import guards, reaper
+from molt import guards, reaper, tracking
 from molt.net import free_port
 
 
@@ -140,9 +140,9 @@ def slurm_params(cfg) -> dict:
     return {k: v for k, v in p.items() if v is not None}
 
 
-def check_job(launcher, overrides: list[str], num: int) -> str:
-    """Compose one job's config as its node will, and run the guard rails on it here (exit 2 on a failure); with
-    dry_run=true, the job's plan."""
+def check_job(launcher, overrides: list[str], num: int) -> tuple[str, tuple[str, str]]:
+    """Compose one job's config as its node will, and run the guard rails on it here (exit 2 on a failure); returns
+    the job's plan (with dry_run=true, else "") and its MLflow store and experiment."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf, open_dict
 
@@ -155,11 +155,12 @@ def check_job(launcher, overrides: list[str], num: int) -> str:
     OmegaConf.set_readonly(job, False)
     try:
         guards.validate(job)
+        store = (tracking.tracking_uri(job), job.name)
         if job.dry_run:
             from molt.actor.planner import run_plan  # torch + transformers: only for a dry run
 
-            return f"molt dry run: job {num} ({' '.join(overrides) or job.name})\n{run_plan(job)}"
-        return ""
+            return f"molt dry run: job {num} ({' '.join(overrides) or job.name})\n{run_plan(job)}", store
+        return "", store
     finally:
         HydraConfig.instance().set_config(launcher.config)
 
@@ -184,7 +185,7 @@ def launch(launcher, job_overrides, initial_job_idx: int):
 
     cfg = launcher.config
     nums = [initial_job_idx + i for i in range(len(job_overrides))]
-    plans = [check_job(launcher, list(overrides), num) for overrides, num in zip(job_overrides, nums)]
+    plans, stores = zip(*[check_job(launcher, list(o), num) for o, num in zip(job_overrides, nums)])
     folder = Path(launcher.params["submitit_folder"]).expanduser().absolute()  # as submitit's Executor keeps it
     python = cfg.cluster.python or shlex.quote(sys.executable)  # SlurmExecutor's default, passed to it as well
     params = slurm_params(cfg)
@@ -195,6 +196,8 @@ def launch(launcher, job_overrides, initial_job_idx: int):
         print(sbatch_script(folder, python, params, len(done)))
         return done
     Path(str(cfg.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
+    for uri, name in dict.fromkeys(stores):  # here, once: jobs that start together would race to create them
+        tracking.create_experiment(uri, name)
     if os.environ.get("RAY_AUTH_MODE", "token") == "token":  # the jobs' Ray clusters (allocation) accept only
         os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))  # this token: in the job's environment only
     args = [(list(o), "hydra.sweep.dir", n, f"job_id_for_{n}", Singleton.get_state()) for o, n in zip(job_overrides, nums)]

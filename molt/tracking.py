@@ -3,7 +3,7 @@
 One MLflow run per Hydra job: the resolved config as params and as an artifact, metrics every
 step. Every `train.log_every` steps a line of the main ones goes to the terminal and to the run's
 log (<output_dir>/molt.log, Hydra's), and so does the summary at the end. The default store is a
-SQLite database under the run's output directory, so a run is self-contained:
+SQLite database under the run's output directory, its artifacts beside it, so a run is self-contained:
 `mlflow ui --backend-store-uri sqlite:///<output_dir>/mlflow.db`. The jobs of a sweep share one under
 the sweep's directory and carry its tags (molt.sweep, molt.overrides), for `molt-compare`.
 """
@@ -50,6 +50,20 @@ def tracking_uri(cfg) -> str:
     return cfg.mlflow_uri or f"sqlite:///{store / 'mlflow.db'}"
 
 
+def create_experiment(uri: str, name: str) -> None:
+    """Create the store's tables and the experiment, if missing; a SQLite store keeps its artifacts beside it
+    (<dir>/artifacts: MLflow's default is ./mlruns of the process that made the experiment). A Slurm sweep's launcher
+    calls this before submitting: its jobs, started side by side, failed on the shared SQLite store (alembic: "Online
+    migration expected to match one row") or would both create the experiment."""
+    import mlflow
+
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    client = mlflow.MlflowClient(uri)
+    if client.get_experiment_by_name(name) is None:
+        db = uri.removeprefix("sqlite:///")
+        client.create_experiment(name, Path(db).resolve().parent.joinpath("artifacts").as_uri() if db != uri else None)
+
+
 @contextlib.contextmanager
 def mlflow_run(cfg, extra_params: dict, resume_run: bool = False):
     """Start the run, or with resume=true (or resume_run: a requeued Slurm job) continue the one its checkpoints
@@ -60,11 +74,11 @@ def mlflow_run(cfg, extra_params: dict, resume_run: bool = False):
 
     from molt import reaper
 
-    logging.getLogger("alembic").setLevel(logging.WARNING)
     out, marker = Path(cfg.output_dir), Path(cfg.checkpoint_dir) / "mlflow_run.json"
     out.mkdir(parents=True, exist_ok=True)
     previous = json.loads(marker.read_text()) if (cfg.resume or resume_run) and marker.exists() else {}
     uri = previous.get("uri") or tracking_uri(cfg)
+    create_experiment(uri, cfg.name)
     mlflow.set_tracking_uri(uri)
     mlflow.set_experiment(cfg.name)
     resolved = OmegaConf.to_container(cfg, resolve=True)

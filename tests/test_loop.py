@@ -98,6 +98,8 @@ def test_run_records_mlflow_metrics(first_run):
     assert len(hist("eval/reward")) == 2, "eval.every=STEPS logs eval/reward at the first step and the last"
     assert sum(hist("rollout/failed")) > 0, "the flaky env raised, and the failures were counted"
     assert "config.yaml" in [a.path for a in client.list_artifacts(run.info.run_id)]
+    assert run.info.artifact_uri == (first_run / "run1" / "artifacts" / run.info.run_id / "artifacts").as_uri(), \
+        "the artifacts sit beside the run's store, not in ./mlruns"
 
 
 def test_synchronous_run_keeps_actor_and_engine_in_agreement(first_run):

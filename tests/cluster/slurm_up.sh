@@ -21,6 +21,8 @@ if ! (munge -n | unmunge) >/dev/null 2>&1; then  # munged: as user munge (root f
   wait_for "munge -n | unmunge"
 fi
 
+# Twice the cores (config_overrides: slurmd takes the configured CPUs, not the counted ones), so that a 2-task sweep's
+# jobs run side by side on CI's 2 cores instead of one after the other: each job is mostly one core importing.
 MEM=$(( $(awk '/MemTotal/{print int($2/1024)}' /proc/meminfo) * 9 / 10 ))
 cat > $SLURM_CONF <<EOC
 ClusterName=molttest
@@ -48,7 +50,8 @@ SlurmdLogFile=$R/log/slurmd.log
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
-NodeName=localhost CPUs=$(nproc) RealMemory=$MEM State=UNKNOWN
+SlurmdParameters=config_overrides
+NodeName=localhost CPUs=$(( 2 * $(nproc) )) RealMemory=$MEM State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOC
 slurmctld -D -i >$R/log/slurmctld.out 2>&1 &

@@ -60,17 +60,22 @@ def test_sweep_on_two_tasks_is_one_array_that_trains_and_molt_compare_tables_and
     """A sweep is one Slurm array; each job trains and reports (the printed job, log path and scancel line; rewards,
     eval and sweep tags in MLflow; the end-of-run summary in its log). Ray spans both tasks of a job (token auth, a
     per-job token); the dp2 actor has a rank on each, and the engine runs on task 1 (cluster.engine_tasks), through
-    Ray. `molt compare` tables and plots the sweep. (One array for all: each job costs an engine and a Ray cluster.)"""
+    Ray. The jobs run side by side and share the sweep's MLflow store, which the launcher made (a race otherwise).
+    `molt compare` tables and plots the sweep. (One array for all: each job costs an engine and a Ray cluster.)"""
     sweep = ("-m", *TINY, "train.steps=2", "eval.every=2", "cluster.tasks_per_node=2", "cluster.cpus_per_task=1",
              "fsdp.dp_size=2", "cluster.engine_tasks=[1]", "estimator=grpo,rloo", f"hydra.sweep.dir={tmp_path}")
     dry = molt(*sweep, "dry_run=true", timeout=120)
     assert dry.returncode == 0 and not queue(), dry.stderr
     sessions = ray_sessions()
-    out = molt(*sweep, timeout=1200)  # two jobs one after the other: 5-10 min on 2 busy cores
+    out = molt(*sweep, timeout=1200)  # two jobs side by side (slurm_up.sh: twice the cores): 3-5 min on 2 busy cores
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     ids = [line.split()[4] for line in out.stdout.splitlines() if line.startswith("molt: submitted Slurm job")]
     assert len(ids) == 2 and {i.split("_")[0] for i in ids} == {ids[0].split("_")[0]}, ids  # one array
     assert "scancel" in out.stdout
+    times = [dict(w.split("=", 1) for w in subprocess.run(["scontrol", "show", "job", "-o", i], capture_output=True,
+                                                          text=True).stdout.split() if "=" in w) for i in ids]
+    assert times[0]["StartTime"] < times[1]["EndTime"] and times[1]["StartTime"] < times[0]["EndTime"], \
+        "the jobs ran side by side, sharing one MLflow store"
     (script,) = (tmp_path / ".submitit").glob("*/*_submission.sh")  # what submitit sent to sbatch
     assert script.read_text() in dry.stdout, "the dry run printed the script that was submitted"
     for job in ids:
@@ -104,6 +109,7 @@ def test_sweep_on_two_tasks_is_one_array_that_trains_and_molt_compare_tables_and
     _, with_compare = runs(uri)
     (summary,) = [r for r in with_compare if r.data.tags.get("molt.compare")]
     assert {a.path for a in client.list_artifacts(summary.info.run_id)} >= {"reward.png", "table.txt"}
+    assert all(r.info.artifact_uri.startswith((tmp_path / "artifacts").as_uri()) for r in with_compare)
 
 
 def submit(*overrides) -> tuple[subprocess.Popen, str]:
