@@ -48,7 +48,7 @@ setup:
 
 $(UV):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check uv==0.13.9
+	$(PY) -m pip install -q --disable-pip-version-check uv==0.13.9 2>&1 | { grep -v "^WARNING: Location" || true; }
 
 $(STAMP): requirements.lock pyproject.toml | $(UV)
 	$(call install,$(PY),requirements.lock)
