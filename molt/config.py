@@ -17,6 +17,7 @@ class ModelConfig:
     path: str = "${assets_dir}/tiny"  # local HF model directory (config, safetensors, tokenizer)
     build: str = "tiny"  # asset recipe that creates `path` when missing ("" = path must exist)
     dtype: str = "float32"  # actor parameter dtype on CPU
+    master: Optional[bool] = None  # one rank: bf16 compute, fp32 masters in the optimizer (null: on a GPU only)
 
 
 @dataclass

@@ -67,6 +67,16 @@ def model_dir(cfg, hf):
                 "point model.path at a Hugging Face model directory or set model.build to a recipe")
 
 
+def master_weights(cfg, hf):
+    """model.master (fp32 masters, bf16 compute: molt/actor/master.py) is the one-rank path; FSDP2 has its own."""
+    f, m = cfg.fsdp, cfg.model
+    if m.master and (f.dp_size * f.ep_size * f.cp_size > 1 or f.offload != "none" or m.dtype != "float32"
+                     or cfg.lora.rank > 0):
+        return (f"model.master=true keeps fp32 masters for one rank's full fine-tuning from fp32 weights: it needs "
+                f"fsdp dp/ep/cp sizes 1, fsdp.offload=none, model.dtype=float32 and lora.rank=0 (got "
+                f"{f.dp_size}/{f.ep_size}/{f.cp_size}, {f.offload}, {m.dtype}, {cfg.lora.rank})")
+
+
 def ep_on_dense(cfg, hf):
     if cfg.fsdp.ep_size > 1 and model_facts(hf).experts == 0:
         return (f"fsdp.ep_size={cfg.fsdp.ep_size} but model={cfg.model.name} is dense (no experts): "
@@ -464,7 +474,7 @@ def cp_with_images(cfg, hf):
 # model's config.
 GUARDS = [fsdp_sizes, fsdp_offload, slurm_resources, container_image, ranks_fit_cluster, single_node, micro_batch_rows,
           cp_splits_rows,
-          model_recipe, model_dir, ep_on_dense, ep_divides_experts, cpu_head_dim, estimator_known,
+          model_recipe, model_dir, master_weights, ep_on_dense, ep_divides_experts, cpu_head_dim, estimator_known,
           estimator_fits, loss_known, sequences_on_one_rank, kl_coef, view_every,
           is_correction_names, is_correction_band, is_correction_seq_mode, filter_needs_group, max_lag, temperature,
           replay_needs_experts, replay_needs_routes, routes_need_gpu, sync_path, lora_combinations, lora_targets, engines,

@@ -52,6 +52,7 @@ CASES = [
     ("fsdp_offload", ["fsdp.offload=cpu"], "fsdp.offload='cpu'"),
     ("model_recipe", ["model.build=nope"], "model.build='nope'"),
     ("model_dir", ["model.build=", "model.path=/no/such/model"], "model.path=/no/such/model"),
+    ("master_weights", ["precision=bf16", "fsdp.dp_size=2"], "model.master=true keeps fp32 masters"),
     ("ep_on_dense", ["fsdp.ep_size=2"], "fsdp.ep_size=2 but model=tiny is dense"),
     ("ep_divides_experts", ["model=tiny_moe", "fsdp.ep_size=3"], "divide the 8 experts"),
     ("ep_divides_experts", ["model.build=", "model.path=${assets_dir}/mixtral", "fsdp.ep_size=3"], "divide the 4 experts"),
@@ -168,7 +169,7 @@ def test_guard_fires(base, name, overrides, fragment):
 
 
 @pytest.mark.parametrize("overrides", [[], ["experiment=quickstart"], ["experiment=smollm2"], ["model=tiny_moe"],
-                                       ["experiment=vision"],
+                                       ["experiment=vision"], ["experiment=quickstart", "precision=bf16"],
                                        ["train.routing_replay=false", "rollout.max_lag=0", "rollout.n=2"],
                                        OPD + ["rollout.n=1"], ["estimator=gae", "rollout.n=1"],
                                        ["is_correction.level=geo", "is_correction.low=0.99", "is_correction.high=1.01",

