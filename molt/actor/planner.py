@@ -126,8 +126,9 @@ def shard_model(model: torch.nn.Module, cfg) -> torch.nn.Module:
 
 
 def bytes_per_element(cfg) -> tuple[int, int]:
-    """(sharded state, compute) bytes per element: fp32 master + bf16 compute on GPU, model.dtype on CPU."""
-    if cfg.cluster.gpus_per_node > 0:
+    """(sharded state, compute) bytes per element: fp32 master + bf16 compute on GPU or with model.master, else
+    model.dtype on CPU."""
+    if cfg.cluster.gpus_per_node > 0 or cfg.model.master:
         return 4, 2
     size = torch.empty((), dtype=getattr(torch, cfg.model.dtype)).element_size()
     return size, size
@@ -158,7 +159,8 @@ def plan_memory(cfg) -> Plan:
     layers = layers[:2]
     states = {"params": params * state_bytes, "grads": params * state_bytes, "optimizer": 2 * params * state_bytes}
     offload = f.offload == "optimizer"
-    master = c.gpus_per_node > 0 and derived(cfg)["world_size"] == 1 and not offload  # molt/actor/master.py
+    master = cfg.model.master if cfg.model.master is not None else (  # molt/actor/master.py, as Actor decides
+        c.gpus_per_node > 0 and derived(cfg)["world_size"] == 1 and not offload)
     if master:
         states |= {"params": params * (compute_bytes + 4), "grads": params * compute_bytes}
     gpu = {} if offload else dict(states)
