@@ -50,18 +50,19 @@ def tracking_uri(cfg) -> str:
     return cfg.mlflow_uri or f"sqlite:///{store / 'mlflow.db'}"
 
 
-def create_experiment(uri: str, name: str) -> None:
-    """Create the store's tables and the experiment, if missing; a SQLite store keeps its artifacts beside it
-    (<dir>/artifacts: MLflow's default is ./mlruns of the process that made the experiment). A Slurm sweep's launcher
-    calls this before submitting: its jobs, started side by side, failed on the shared SQLite store (alembic: "Online
+def create_experiment(uri: str, name: str) -> str:
+    """The experiment's id; the store's tables and the experiment are created if missing, a SQLite store's with its
+    artifacts beside it (<dir>/artifacts: MLflow's default is ./mlruns of the process that made the experiment). A
+    Slurm sweep's launcher calls this before submitting: its jobs, started side by side, failed on the shared SQLite store (alembic: "Online
     migration expected to match one row") or would both create the experiment."""
     import mlflow
 
     logging.getLogger("alembic").setLevel(logging.WARNING)
     client = mlflow.MlflowClient(uri)
-    if client.get_experiment_by_name(name) is None:
-        db = uri.removeprefix("sqlite:///")
-        client.create_experiment(name, Path(db).resolve().parent.joinpath("artifacts").as_uri() if db != uri else None)
+    if found := client.get_experiment_by_name(name):
+        return found.experiment_id
+    db = uri.removeprefix("sqlite:///")
+    return client.create_experiment(name, Path(db).resolve().parent.joinpath("artifacts").as_uri() if db != uri else None)
 
 
 @contextlib.contextmanager
@@ -78,9 +79,8 @@ def mlflow_run(cfg, extra_params: dict, resume_run: bool = False):
     out.mkdir(parents=True, exist_ok=True)
     previous = json.loads(marker.read_text()) if (cfg.resume or resume_run) and marker.exists() else {}
     uri = previous.get("uri") or tracking_uri(cfg)
-    create_experiment(uri, cfg.name)
     mlflow.set_tracking_uri(uri)
-    mlflow.set_experiment(cfg.name)
+    mlflow.set_experiment(experiment_id=create_experiment(uri, cfg.name))
     resolved = OmegaConf.to_container(cfg, resolve=True)
     with mlflow.start_run(run_id=previous.get("run_id"), run_name=None if previous else out.name,
                           tags=None if previous else sweep()) as run:

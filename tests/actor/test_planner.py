@@ -115,7 +115,8 @@ def test_one_gpu_plans_fp32_masters_in_the_optimizer_and_no_fsdp():
     assert plan_memory(cfg).host["params"] == 4 * total
     cfg = run_config("qwen3_30b_a3b", gpus=0, activation_checkpointing=True)
     cfg.model.master = True  # precision=bf16 on CPU: the same bytes
-    assert plan_memory(cfg).gpu["params"] == 6 * total and plan_memory(cfg).gpu["grads"] == 2 * total
+    plan = plan_memory(cfg)
+    assert plan.gpu["params"] == 6 * total and plan.gpu["grads"] == 2 * total
 
 
 def test_mixtral_style_config_is_planned_as_moe(tmp_path):
