@@ -88,7 +88,9 @@ def codex(ctx: ChatContext, task: str, home: Path) -> tuple[list[str], dict[str,
         f'model = {json.dumps(ctx.model)}\nmodel_provider = "molt"\n{CODEX_SHRUNK}\n'
         f'model_instructions_file = {json.dumps(str(home / "codex" / "instructions.md"))}\n\n[model_providers.molt]\n'
         f'name = "molt"\nbase_url = {json.dumps(ctx.base_url)}\nenv_key = "MOLT_API_KEY"\nwire_api = "responses"\n'
-        '\n[features]\nmulti_agent = false\ngoals = false\n')
+        '\n[features]\nmulti_agent = false\ngoals = false\n'
+        '\n[sandbox_workspace_write]\nexclude_slash_tmp = true\n')  # its own TMPDIR only: the sandboxes of rollouts
+    # that share /tmp race on the mount points they make there ("bwrap: Can't mount tmpfs on /newroot/tmp/.git")
     argv = [str(BIN / "codex"), "exec", "--skip-git-repo-check", "--sandbox", "workspace-write", task]
     return argv, {"CODEX_HOME": str(home / "codex"), "MOLT_API_KEY": ctx.api_key}
 

