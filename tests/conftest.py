@@ -21,6 +21,7 @@ from molt.rollout.engine import group_pids, launch_engines
 # On two workers (make test: -n 2 --dist loadscope --no-loadscope-reorder, each test module whole on one,
 # handed out in collection order) the slowest modules go first, so that no long one starts last beside an idle worker
 SLOW_FIRST = ["tests/test_loop.py", "tests/cluster/test_slurm.py", "tests/experiments/test_vision_learns.py",
+              "tests/agents/test_cli_tools.py",
               "tests/actor/test_parallel.py", "tests/rollout/test_engine.py", "tests/test_loop_parallel.py",
               "tests/agents/test_env.py", "tests/test_checkpoint.py"]
 

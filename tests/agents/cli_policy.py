@@ -66,9 +66,9 @@ def hello(work: Path) -> tuple[float, dict]:
     return (1.0 if i == 0 else 0.2 if i > 0 else 0.0), {"word": float(i)}
 
 
-async def record(cli: str, tok, n: int = 8) -> list:
-    """n rollouts of the real CLI on the real chat server, the engine scripted: the tool call (word i % 4), then
-    "Done."; returns their rollouts (status ok, one segment each)."""
+async def record(cli: str, tok, n: int = 16) -> list:
+    """n rollouts of the real CLI at once on the real chat server, the engine scripted: the tool call (word i % 4),
+    then "Done."; returns their rollouts (status ok, one segment each)."""
     turns: dict[str, int] = {}
 
     async def scripted(rollout_id, token_ids, max_tokens, **sampling):
