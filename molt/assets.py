@@ -175,7 +175,7 @@ def build_smollm2(out_dir: str | Path) -> Path:
 
 # SmolLM2-135M-Instruct's published config: the recipe converts it from a GGUF, so before the build there is no
 # config.json to read
-SMOLLM2_135M = dict(architectures=["LlamaForCausalLM"], hidden_size=576, num_hidden_layers=30,
+SMOLLM2_135M = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=576, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=1536,
                     vocab_size=49152, tie_word_embeddings=True)
 

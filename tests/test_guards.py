@@ -197,6 +197,16 @@ def test_model_facts_from_recipe_match_the_built_model(tmp_path):
         assert {k: from_dir.get(k) for k in keys} == {k: from_recipe.get(k) for k in keys}, built
 
 
+def test_lora_targets_are_checked_from_every_recipes_config(tmp_path):
+    """Before a model is built, the guard reads its recipe's config: each names its model_type (smollm2_135m did not,
+    and `molt experiment=smollm2 lora.rank=16` died on a KeyError), and the default targets (q, k, v, o) pass. (tiny_vl: LoRA is refused before, lora_combinations.)"""
+    for recipe in ("tiny", "tiny_moe", "smollm2_135m"):
+        cfg = compose(f"model={recipe}", f"assets_dir={tmp_path}", "lora.rank=4")
+        hf = hf_config(cfg.model)
+        assert "model_type" in hf and not (tmp_path / recipe).exists(), recipe
+        assert guards.lora_targets(cfg, hf) is None, recipe
+
+
 def test_mixtral_style_experts_are_moe(base):
     """Mixtral counts its experts in num_local_experts: guards and the dry run see MoE (the planner: test_planner)."""
     cfg = compose(*base, "model.build=", "model.path=${assets_dir}/mixtral", "train.routing_replay=true")

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from molt.actor import lora
 from molt.actor.vision import is_vision
 from molt.assets import hf_config, model_facts
 from molt.config import FsdpConfig, derived
@@ -134,18 +135,22 @@ def bytes_per_element(cfg) -> tuple[int, int]:
     return size, size
 
 
-def read_shards(cfg) -> tuple[int, int, int, int, tuple[int, list[int]]]:
-    """(total params, total routed-expert params, local params, local expert params, gathered sizes) of the layout."""
+def read_shards(cfg) -> tuple[int, int, int, int, tuple[int, list[int]], int]:
+    """(total params, total routed-expert params, local params, local expert params, gathered sizes, local LoRA
+    adapter params) of the layout; with lora.rank > 0 the adapters are in, as the actor puts them in (lora.inject)."""
     is_expert = lambda n, p: n.endswith(("gate_up_proj", "down_proj")) and p.dim() == 3  # noqa: E731  fused experts
     with fake_world(derived(cfg)["world_size"]):
         with torch.device("meta"):  # no storage behind the parameters
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(cfg.model.path)))
-        total = sum(p.numel() for p in model.parameters())
+            if cfg.lora.rank > 0:
+                lora.inject(model, cfg.lora)
+        total = sum(p.numel() for n, p in model.named_parameters() if not lora.is_adapter(n))
         total_expert = sum(p.numel() for n, p in model.named_parameters() if is_expert(n, p))
         model = shard_model(model, cfg)
-        local = sum(local_numel(p) for p in model.parameters())
+        local = sum(local_numel(p) for n, p in model.named_parameters() if not lora.is_adapter(n))
         local_expert = sum(local_numel(p) for n, p in model.named_parameters() if is_expert(n, p))
-        return total, total_expert, local, local_expert, gathered_sizes(model)
+        adapters = sum(local_numel(p) for n, p in model.named_parameters() if lora.is_adapter(n))
+        return total, total_expert, local, local_expert, gathered_sizes(model), adapters
 
 
 def plan_memory(cfg) -> Plan:
@@ -153,20 +158,24 @@ def plan_memory(cfg) -> Plan:
     f, c, t = cfg.fsdp, cfg.cluster, cfg.train
     hf = AutoConfig.from_pretrained(str(cfg.model.path)).to_dict()
     state_bytes, compute_bytes = bytes_per_element(cfg)
-    total, total_expert, params, expert, (root, layers) = read_shards(cfg)
+    total, total_expert, params, expert, (root, layers), adapters = read_shards(cfg)
     tokens = t.micro_batch_rows * t.row_tokens // f.cp_size
     acts, how = activation_bytes(hf, tokens, compute_bytes, t.activation_checkpointing)
     layers = layers[:2]
-    states = {"params": params * state_bytes, "grads": params * state_bytes, "optimizer": 2 * params * state_bytes}
     offload = f.offload == "optimizer"
     master = cfg.model.master if cfg.model.master is not None else (  # molt/actor/master.py, as Actor decides
         c.gpus_per_node > 0 and derived(cfg)["world_size"] == 1 and not offload)
-    if master:
-        states |= {"params": params * (compute_bytes + 4), "grads": params * compute_bytes}
+    trained = adapters if cfg.lora.rank > 0 else params  # LoRA: the base is frozen (no grads, no moments)
+    if master:  # every weight in bf16; the trained ones also as fp32 masters, with bf16 grads
+        states = {"params": (params + adapters) * compute_bytes + trained * 4, "grads": trained * compute_bytes}
+    else:
+        states = {"params": (params + adapters) * state_bytes, "grads": trained * state_bytes}
+    states["optimizer"] = 2 * trained * (4 if master else state_bytes)
     gpu = {} if offload else dict(states)
     # gathered for compute: the root (embeddings, head: kept through forward and backward) and two layers
     # (one computing, one prefetched); backward reduce-scatters one layer's grads in fp32
-    gpu["gathered"] = 0 if master else compute_bytes * (root + sum(layers)) + 4 * (layers[0] if layers else root)
+    scattered = 0 if cfg.lora.rank > 0 else 4 * (layers[0] if layers else root)  # LoRA: the adapters' grads only
+    gpu["gathered"] = 0 if master else compute_bytes * (root + sum(layers)) + scattered
     gpu["activations"] = acts
     if c.gpus_per_node:
         gpu["runtime"] = RUNTIME_GIB * GIB
@@ -177,7 +186,15 @@ def plan_memory(cfg) -> Plan:
              "activations": how, "runtime": "CUDA context, NCCL buffers, fragmentation (rule of thumb)"}
     if master:
         notes |= {"params": f"{params / 1e9:.3f}B elements x (2 B bf16 + 4 B fp32 master in the optimizer)",
-                  "grads": "x 2 B (bf16)", "gathered": "one rank: no FSDP"}
+                  "grads": "x 2 B (bf16)", "optimizer": "AdamW: 2 moments x 4 B", "gathered": "one rank: no FSDP"}
+    if cfg.lora.rank > 0:
+        notes |= {"params": f"{params / 1e9:.3f}B frozen base elements x {compute_bytes if master else state_bytes} B "
+                            f"+ {adapters / 1e6:.2f}M LoRA adapter elements (rank {cfg.lora.rank}) x "
+                            f"{compute_bytes + 4 if master else state_bytes} B",
+                  "grads": f"the adapters' only, x {compute_bytes if master else state_bytes} B",
+                  "optimizer": f"AdamW: 2 moments x {4 if master else state_bytes} B, the adapters' only"}
+        if not master:
+            notes["gathered"] = f"{compute_bytes} B x (root {root / 1e6:.0f}M + 2 layers {sum(layers) / 1e6:.0f}M)"
     world = derived(cfg)["world_size"]
     where = f"{c.num_nodes} x {c.gpus_per_node} GPUs of {c.gpu_memory_gib:g} GiB" if c.gpus_per_node else "cpu"
     layout = (f"{cfg.model.name} {total / 1e9:.2f}B params ({total_expert / 1e9:.2f}B routed experts), "

@@ -42,7 +42,7 @@ def ep256():
 
 
 def test_671b_at_ep256_is_planned_in_under_a_minute(ep256):
-    cfg, (total, routed, local, local_expert, units), plan, seconds = ep256
+    cfg, (total, routed, local, local_expert, units, _), plan, seconds = ep256
     assert seconds < 60
     assert routed == ROUTED and 665e9 < total < 675e9  # the published ~671B (MTP layer excluded)
     world = 2 * 256
@@ -91,7 +91,7 @@ def test_activations_that_cannot_fit_name_checkpointing():
 
 def test_qwen3_30b_a3b_plan_with_cp():
     cfg = run_config("qwen3_30b_a3b", dp=2, ep=4, cp=2, nodes=2, activation_checkpointing=True)
-    total, routed, local, local_expert, _ = read_shards(cfg)
+    total, routed, local, local_expert, *_ = read_shards(cfg)
     assert routed == 48 * 128 * 3 * 2048 * 768 and math.isclose(total, 30.53e9, rel_tol=1e-3)
     assert local_expert == routed // 16  # 32 experts per ep rank, FSDP over dp x cp = 4
     plan = plan_memory(cfg)
@@ -119,11 +119,32 @@ def test_one_gpu_plans_fp32_masters_in_the_optimizer_and_no_fsdp():
     assert plan.gpu["params"] == 6 * total and plan.gpu["grads"] == 2 * total
 
 
+def test_lora_plans_the_frozen_base_and_the_adapters_state():
+    """lora.rank > 0: the adapters are put in as the actor does; only they have grads and AdamW moments. One GPU:
+    everything in bf16, fp32 masters of the adapters; 16 ranks: fp32 shards of the base and the adapters."""
+    cfg = run_config("qwen3_30b_a3b", gpus=1, activation_checkpointing=True)
+    cfg.lora.rank = 16  # q, k, v, o: the attention of an MoE model
+    total, _, local, _, _, adapters = read_shards(cfg)
+    assert math.isclose(total, 30.53e9, rel_tol=1e-3)  # the base alone
+    assert adapters == 48 * 16 * ((2048 + 4096) + 2 * (2048 + 512) + (4096 + 2048))  # r x (in + out) per target
+    plan = plan_memory(cfg)
+    assert plan.gpu["params"] == 2 * (total + adapters) + 4 * adapters and plan.gpu["grads"] == 2 * adapters
+    assert plan.gpu["optimizer"] == 8 * adapters and plan.gpu["gathered"] == 0
+    assert plan.fits  # full fine-tuning does not fit this GPU (above): 16 B per element against 2 B + the adapters
+    assert "LoRA adapter elements (rank 16)" in format_plan(plan, cfg)
+    cfg = run_config("qwen3_30b_a3b", dp=2, ep=4, cp=2, nodes=2, activation_checkpointing=True)
+    cfg.lora.rank = 16
+    _, _, local, _, _, adapters = read_shards(cfg)
+    plan = plan_memory(cfg)
+    assert plan.gpu["params"] == 4 * (local + adapters) and plan.gpu["grads"] == 4 * adapters
+    assert plan.gpu["optimizer"] == 8 * adapters and 13_369_344 / 16 <= adapters <= 1.01 * 13_369_344 / 16
+
+
 def test_mixtral_style_config_is_planned_as_moe(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(MIXTRAL))
     cfg = run_config("mixtral", ep=2, gpus=2, activation_checkpointing=True)
     cfg.model.path = str(tmp_path)
-    total, routed, local, local_expert, _ = read_shards(cfg)
+    total, routed, local, local_expert, *_ = read_shards(cfg)
     assert routed == 2 * 4 * 3 * 128 * 64 and local_expert == routed // 2  # 2 of the 4 experts per ep rank
     # per token: norms 4H, q k v o 2 x 4 x 32 + 2 x 2 x 32, 2 routed experts x (2H + 4I) and fp32 router logits over 4
     layer = 4 * 128 + (256 + 128) + 2 * (2 * 128 + 4 * 64) + 2 * 4
