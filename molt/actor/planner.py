@@ -13,6 +13,7 @@ Bytes per sharded parameter element (AdamW): on GPU the sharded params are the f
 without offload has no FSDP (bf16 params 2 + fp32 masters 4 + bf16 grads 2 + moments 8, nothing gathered);
 on CPU everything is in model.dtype. `fsdp.offload=optimizer` keeps all of these on the host
 (FSDP2 CPUOffloadPolicy: the optimizer step runs there), leaving the gathered layers on the GPU.
+With LoRA (lora.rank > 0) the base is frozen: grads, moments and fp32 masters are the adapters' only.
 Assumed, not measured: balanced expert routing (each ep rank computes its share, k x tokens on
 average; a skewed router sends more) and RUNTIME_GIB for the CUDA context, NCCL and fragmentation.
 """
