@@ -12,8 +12,8 @@ learned to. `fit_cli_policy` makes one in two steps, both with real components:
   stay random (Adam over 49k rows would cost more than the rest). Each drawn segment is first `vary`-ed: what
   differs between rollouts (the scratch directory's random path, Codex's chunk id and wall time) is drawn anew, so
   the policy cannot learn the recorded names (without it, three fits in four had a held-out Codex prompt on which
-  a valid call had probability below 0.05). The long prompt
-  prefix (1.6k-2.3k ids) goes through without gradient, as a KV cache, and only the ~150-id tail is trained.
+  a valid call had probability below 0.05). The long prompt prefix (1.6k-2.3k ids) goes through without
+  gradient, as a KV cache, and only the ~150-id tail is trained.
   Measured on 24 held-out recordings per CLI, 4 seeds: a whole valid call and "Done." at temperature 1 has
   probability 0.97-0.99 (at least 0.97 for every rollout), and the word is spread over WORDS (15-31% each).
 The word is one of WORDS, one per recorded rollout: the fitted policy picks among them (RL has something to learn).
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import itertools
 import json
 import math
 import random
@@ -103,22 +104,17 @@ def vary(tok, ids: list[int], mask: list[int], rng: random.Random) -> tuple[list
     replies (mask 1) keep their ids. Without it, the fitted policy learns the recorded names and fails on others."""
     out: list[int] = []
     keep: list[int] = []
-    start = 0
-    while start < len(ids):
-        end = start
-        while end < len(ids) and mask[end] == mask[start]:
-            end += 1
-        if mask[start]:
-            out += ids[start:end]
-        else:
-            text = tok.decode(ids[start:end])
+    for replied, run in itertools.groupby(zip(ids, mask), key=lambda pair: pair[1]):  # runs of equal mask
+        run_ids = [t for t, _ in run]
+        if not replied:
+            text = tok.decode(run_ids)
             for name in set(SCRATCH.findall(text)):
                 text = text.replace(name, scratch_name(rng))
             for pattern, draw in VARYING.items():
                 text = pattern.sub(lambda _: draw(rng), text)
-            out += tok.encode(text, add_special_tokens=False)
-        keep += [mask[start]] * (len(out) - len(keep))
-        start = end
+            run_ids = tok.encode(text, add_special_tokens=False)
+        out += run_ids
+        keep += [replied] * len(run_ids)
     return out, keep
 
 
