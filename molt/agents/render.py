@@ -40,16 +40,27 @@ async def render(tokenizer, messages: list[dict], generate, rollout_id: str, cfg
                  after: Segment | None = None) -> tuple[list[int], list[Image]]:
     """Ids of `messages` and their images (offsets into those ids): a prompt ending with the generation prompt, or,
     with `after` (a segment that ends with an assistant turn), the delta that extends it. Messages with images are
-    rendered by the rollout's engine (`generate.render`, within `cfg`'s image limits), text on a thread: a large
-    request must not stall the event loop every other rollout of the worker shares."""
+    rendered by the rollout's engine (`generate.render`, within `cfg`'s image limits), text in place or, past
+    INLINE_CHARS, on a thread: a large request must not stall the event loop every other rollout of the worker
+    shares. In place, the rollouts of a group reach the engine in one event-loop tick, where the router coalesces
+    them into one request (on threads they straggled in: 1.9 requests per group on the quickstart, not 1)."""
     if after is not None:
         last = after.token_ids[-1] if after.token_ids else None
         if images.has_images(messages):
             return await _engine_delta(generate, rollout_id, tokenizer, messages, last, cfg, len(after.images))
-        return await asyncio.to_thread(render_delta, tokenizer, messages, last), []
+        return await _text(render_delta, tokenizer, messages, last), []
     if images.has_images(messages):
         return await _engine_prompt(generate, rollout_id, tokenizer, messages, spliced or {}, cfg)
-    return await asyncio.to_thread(render_prompt, tokenizer, messages, spliced), []
+    return await _text(render_prompt, tokenizer, messages, spliced), []
+
+
+INLINE_CHARS = 16384  # text rendered in place up to this size (a fraction of a millisecond), on a thread past it
+
+
+async def _text(fn, tokenizer, messages: list[dict], *args) -> list[int]:
+    if sum(len(str(m.get("content") or "")) for m in messages) <= INLINE_CHARS:
+        return fn(tokenizer, messages, *args)
+    return await asyncio.to_thread(fn, tokenizer, messages, *args)
 
 
 def _special_texts(tokenizer) -> list[str]:

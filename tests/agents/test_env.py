@@ -249,6 +249,29 @@ def test_env_failures_fail_the_rollout_not_the_group(router, tok):
         r.segments[0].check()
 
 
+def test_a_groups_first_turn_is_one_engine_request(tiny_engine, tok):
+    """The n rollouts of a group render their prompt in the same event-loop tick, so the router coalesces their first
+    turns into one engine request with n samples (rendered on threads, they straggled in: 1.9 requests per group)."""
+    client, sent = tiny_engine.client(60.0), []
+    real = client.generate_n
+
+    async def counted(ids, max_tokens, n, **kw):
+        sent.append(n)
+        return await real(ids, max_tokens, n, **kw)
+
+    client.generate_n = counted
+    router = Router([client], seed=0)
+
+    async def groups():
+        return await asyncio.gather(*(run_group("env", router, tok, make_env, SAMPLE, f"g{i}", 8,
+                                                AgentConfig(max_tokens_per_turn=4), {"temperature": 1.0},
+                                                release=router.release) for i in range(4)))
+
+    done = run(groups())
+    assert sorted(sent) == [8] * 4
+    assert all(len(g.rollouts) == 8 and all(r.status != "failed" for r in g.rollouts) for g in done)
+
+
 def test_template_errors_are_fatal_not_failed_rollouts(router, model_dir):
     # a wrong template would otherwise quietly fail every multi-turn rollout of the run
     tok = unstable_template(model_dir)
