@@ -74,6 +74,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     kv_cache_gb: int = 1  # VLLM_CPU_KVCACHE_SPACE on CPU
     cpu_threads_bind: str = "nobind"  # VLLM_CPU_OMP_THREADS_BIND; nobind: vLLM's worker runs in its engine-core process
+    cpu_threads: int = 0  # the engine's OpenMP threads (OMP_NUM_THREADS) on CPU; 0 = one per core
     extra_args: list[str] = field(default_factory=list)  # more vLLM server flags, verbatim
     startup_timeout_s: float = 300.0
     request_timeout_s: float = 120.0

@@ -17,7 +17,7 @@ import secrets
 import signal
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 from queue import Empty
@@ -73,21 +73,21 @@ def train(cfg, model_dir: Path, engines, stop: threading.Event) -> None:
     actor = make_actor(cfg, model_dir)  # while the engines start (their start is mostly one core importing vLLM)
     fleet = Fleet(engines, cfg, actor, asyncio.new_event_loop())  # syncs engines, replaces those that die
     version, position = restore(cfg, actor)
-    queue = Queue()
+    queue, popper = Queue(), Popper()
     fleet.worker = worker = RolloutWorker.options(**net.on_task(0)).remote(  # its process starts meanwhile too
         cfg, list(fleet.clients.values()), queue, str(model_dir), credits(cfg), fleet.reports)
     wait_ready(engines, cfg.engine.startup_timeout_s)
     if version or cfg.engine.sync == "adapter":  # the engines serve the initial weights (adapter: not yet the policy)
         fleet.sync(version)
     ray.get(worker.start.remote(position))
-    bar = tracking.progress(version, cfg.train.steps)
+    bar, clock = tracking.progress(version, cfg.train.steps), Clock()
     for step in bar:
-        clock, failed = Clock(), []  # failed: this step's failed rollouts, not trained, shown on its page
+        failed = []  # this step's failed rollouts, not trained, shown on its page
         with clock("wait"):
-            groups, counts = collect(lambda: next_item(queue, fleet, stop), cfg, version, worker.grant.remote, failed)
+            fleet.check()  # engines that died or failed a request: replaced here, and while the queue stays empty
+            groups, counts = collect(lambda: popper.pop(queue, fleet, stop), cfg, version, worker.grant.remote, failed)
         if groups is None:  # Ctrl-C: stop between two steps, where the state is consistent
-            raise Interrupted(step, checkpoint.save(cfg.checkpoint_dir, step, actor, position, model_dir)
-                              if step else None, cfg.checkpoint_dir)
+            raise Interrupted(step, save(cfg, step, actor, position, model_dir) if step else None, cfg.checkpoint_dir)
         position += counts["groups"]
         prep, metrics = learn(cfg, actor, groups, step, clock)
         with clock("sync"):
@@ -98,7 +98,8 @@ def train(cfg, model_dir: Path, engines, stop: threading.Event) -> None:
         metrics |= {"engine/restarts": fleet.total} | fleet.cache_metrics()
         report(cfg, bar, step, version, metrics, prep, groups, failed, counts, clock, actor, model_dir)
         maybe_save(cfg, actor, position, step, model_dir)  # after the log: a kill in between repeats a step, never loses one
-    ray.kill(worker)  # at once: an actor left to exit reports its rollouts still in flight as destroyed pending tasks
+    ray.get(worker.stop.remote(), timeout=60)  # its tasks cancelled: ray.kill is asynchronous, and an actor that Ray's
+    ray.kill(worker)  # shutdown ends first reports every task it left pending as destroyed
     fleet.close()
 
 
@@ -115,12 +116,10 @@ def replay(cfg, model_dir: Path, stop: threading.Event) -> None:
         log.warning("replay: %s holds %d steps, %d of them left: training %d steps, not train.steps=%d", source,
                     len(entries), len(entries) - position, version + len(entries) - position, cfg.train.steps)
         cfg.train.steps = version + len(entries) - position
-    bar = tracking.progress(version, cfg.train.steps)
+    bar, clock = tracking.progress(version, cfg.train.steps), Clock()
     for step in bar:
         if stop.is_set():  # Ctrl-C: stop between two steps
-            raise Interrupted(step, checkpoint.save(cfg.checkpoint_dir, step, actor, position, model_dir)
-                              if step else None, cfg.checkpoint_dir)
-        clock = Clock()
+            raise Interrupted(step, save(cfg, step, actor, position, model_dir) if step else None, cfg.checkpoint_dir)
         with clock("wait"):
             groups, failed = dump.read_step(source, entries[position])
         position += 1
@@ -187,7 +186,8 @@ def credits(cfg) -> int:
 
 
 class Clock:
-    """Wall time of one step's named phases (time/<phase>), the whole step (time/step) and the rest (time/other)."""
+    """Wall time of each step's named phases (time/<phase>), of the whole step (time/step: since the previous step's
+    metrics were taken, so its logging and checkpoint count in the next step) and of the rest (time/other)."""
 
     def __init__(self):
         self.start, self.phases = time.time(), {}
@@ -199,9 +199,10 @@ class Clock:
         self.phases[phase] = self.phases.get(phase, 0.0) + time.time() - t0
 
     def metrics(self) -> dict[str, float]:
-        step = time.time() - self.start
-        return {f"time/{k}": v for k, v in self.phases.items()} | {"time/step": step,
-                                                                  "time/other": step - sum(self.phases.values())}
+        """This step's times; the next step's start now."""
+        now, phases = time.time(), self.phases
+        step, self.start, self.phases = now - self.start, now, {}
+        return {f"time/{k}": v for k, v in phases.items()} | {"time/step": step, "time/other": step - sum(phases.values())}
 
 
 def make_actor(cfg, model_dir: Path):
@@ -269,15 +270,27 @@ def _restore(saved: dict) -> None:
 _RAY_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")  # ray_session sets them
 
 
-def next_item(queue, fleet: Fleet, stop: threading.Event | None = None):
-    """Block on the queue, replacing engines that die meanwhile (or stopping the run: engine.max_restarts);
-    ("stop", None) once `stop` is set (Ctrl-C)."""
-    while True:
-        if stop is not None and stop.is_set():
-            return "stop", None
-        fleet.check()
-        with contextlib.suppress(Empty):
-            return queue.get(timeout=2.0)
+class Popper:
+    """Items of the queue, one at a time, fetched in bulk: every item the queue holds in three calls to its actor
+    (a call costs 1-5 ms on a busy 2-core machine; eight of them per step were a tenth of a quickstart step).
+    What one step leaves is the next one's."""
+
+    def __init__(self):
+        self.held: deque = deque()
+
+    def pop(self, queue, fleet: Fleet, stop: threading.Event | None = None):
+        """The next item; blocks on the queue, replacing engines that die meanwhile (or stopping the run:
+        engine.max_restarts) every 2 s without one; ("stop", None) once `stop` is set (Ctrl-C)."""
+        while not self.held:
+            if stop is not None and stop.is_set():
+                return "stop", None
+            with contextlib.suppress(Empty):
+                self.held.append(queue.get(timeout=2.0))
+                more = queue.qsize()  # only this process takes items: they can only have grown since
+                self.held.extend(queue.get_nowait_batch(more) if more else ())
+                break
+            fleet.check()
+        return self.held.popleft()
 
 
 def collect(pop, cfg, version: int, refund, failed: list | None = None):
@@ -393,7 +406,12 @@ def maybe_save(cfg, actor, position: int, step: int, model_dir) -> None:
     so with max_lag=0 a resumed run trains exactly the groups an uninterrupted one would."""
     done = step + 1
     if done == cfg.train.steps or (cfg.train.save_every and done % cfg.train.save_every == 0):
-        checkpoint.save(cfg.checkpoint_dir, done, actor, position, model_dir)
+        save(cfg, done, actor, position, model_dir)
+
+
+def save(cfg, step: int, actor, position: int, model_dir) -> Path:
+    mlflow.flush_async_logging()  # metrics go to MLflow on a thread (tracking.log_metrics): a checkpoint's are in it
+    return checkpoint.save(cfg.checkpoint_dir, step, actor, position, model_dir)
 
 
 def restore(cfg, actor) -> tuple[int, int]:

@@ -47,6 +47,8 @@ def test_quickstart_overlay_holds_deltas():
     base, cfg = compose(), compose("experiment=quickstart")
     assert cfg.train.steps == 250 and cfg.train.lr == 2e-3 and cfg.rollout.max_lag == 1 and cfg.eval.every == 25
     assert cfg.agent.max_tokens_per_turn == 4 and cfg.train.num_threads == 1 and cfg.name == "quickstart"
+    assert cfg.engine.cpu_threads == 1 and base.engine.cpu_threads == 0  # one core each for the engine and the actor
+    cfg.engine.cpu_threads = 0
     assert cfg.model == base.model and cfg.engine == base.engine  # untouched groups keep their defaults
 
 

@@ -148,12 +148,13 @@ def sampler_check(model_dir: Path, requests: int) -> str:
             f" Mann-Whitney p={stats.mannwhitneyu(hf, vllm).pvalue:.3f}")
 
 
-def molt_run(seed: int, steps: int, out: Path) -> dict:
-    """`python -m molt` on the quickstart, on-policy with seeded sampling; its reward and step time per step."""
-    run = out / f"molt_seed{seed}"
+def molt_run(seed: int, steps: int, out: Path, extra: list[str] = (), keys: tuple[str, ...] = ()) -> dict:
+    """`python -m molt` on the quickstart, on-policy with seeded sampling (`extra` overrides); its reward and step
+    time per step, and the history of each metric of `keys`."""
+    run = out / (f"molt_seed{seed}" + "".join(f"_{x.replace('=', '-')}" for x in extra))
     cmd = [sys.executable, "-m", "molt", "experiment=quickstart", "rollout.max_lag=0", f"rollout.seed={seed}",
            "eval.every=0", "view.every=0", f"train.steps={steps}", f"hydra.run.dir={run}",
-           f"checkpoint_dir={run / 'ckpt'}"]
+           f"checkpoint_dir={run / 'ckpt'}", *extra]
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if done.returncode:
@@ -163,7 +164,9 @@ def molt_run(seed: int, steps: int, out: Path) -> dict:
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{run / 'mlflow.db'}")
     rid = client.search_runs([e.experiment_id for e in client.search_experiments()])[0].info.run_id
     hist = lambda k: [m.value for m in sorted(client.get_metric_history(rid, k), key=lambda m: m.step)]  # noqa: E731
-    return {"rewards": hist("reward/mean"), "step_s": hist("time/step")}
+    stamps = [m.timestamp for m in sorted(client.get_metric_history(rid, "reward/mean"), key=lambda m: m.step)]
+    return {"rewards": hist("reward/mean"), "step_s": hist("time/step"),  # wall: between two steps' metrics (ms)
+            "wall_s": [(b - a) / 1000 for a, b in zip(stamps, stamps[1:])]} | {k: hist(k) for k in keys}
 
 
 def summary(runs: list[dict], steps: int) -> str:

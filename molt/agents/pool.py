@@ -55,6 +55,14 @@ class RolloutWorker:
         self.credits += n
         self.wake.set()
 
+    async def stop(self) -> None:
+        """Cancel everything this worker runs (admission, rollouts in flight, their engine requests) and wait for it
+        to end, before the actor is killed."""
+        tasks = asyncio.all_tasks() - {asyncio.current_task()}
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     def _engine_down(self, name: str, epoch: int) -> None:
         report = asyncio.get_running_loop().create_task(self.reports.put_async((name, epoch)))
         self.reporting.add(report)  # the event loop keeps only a weak reference to a task

@@ -129,7 +129,7 @@ class EngineServer:
     """One vLLM server subprocess, in its own session (process group = its pid).
 
     Reachable only by this user: with engine.uds it listens on a Unix socket in a 0700 directory (`tmp`),
-    because vLLM's API key guards only /v1, /v2, /inference and /cohere, not the dev routes (/pause,
+    because vLLM's API key guards only /v1, /v2, /inference and /cohere, not the dev routes (/sleep,
     /collective_rpc, /update_weight_version, /server_info); the key (`api_key`, per run, passed in the
     environment, never on the command line) guards generation on TCP too. Its TMPDIR is <tmp>/<name>, so vLLM's
     ZMQ sockets and FileStore sit there too, not in the shared /tmp; `stop` removes them, and the shared memory
@@ -168,7 +168,8 @@ class EngineServer:
         # (the token-rank count behind every logprobs request): 8-9 s at an engine's first logprobs request, every
         # start, since Inductor caches under the engine's own TMPDIR, which goes with the run
         eager = {"TORCH_COMPILE_DISABLE": "1"} if _cpu_build() and self.cfg.enforce_eager else {}
-        return dict(os.environ, **eager, VLLM_SERVER_DEV_MODE="1",  # pause/resume/collective_rpc (see the class doc)
+        threads = {"OMP_NUM_THREADS": str(self.cfg.cpu_threads)} if self.cfg.cpu_threads > 0 else {}
+        return dict(os.environ, **eager, **threads, VLLM_SERVER_DEV_MODE="1",  # pause/resume/collective_rpc (see the class doc)
                     VLLM_ENABLE_V1_MULTIPROCESSING="0" if uniproc else "1",
                     VLLM_API_KEY=self.api_key,
                     HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=str(self.cfg.kv_cache_gb),
@@ -502,11 +503,15 @@ class EngineClient:
 
     async def pause(self, mode: str = "wait") -> None:
         """wait: in-flight requests finish first; keep: they freeze and resume on the new weights
-        (their replies then carry several version spans); abort: they end with finish_reason abort."""
-        await self._call("POST", "/pause", params={"mode": mode})
+        (their replies then carry several version spans); abort: they end with finish_reason abort.
+        vLLM's level-0 sleep ("scheduling only"): /pause pauses the scheduler the same way, then clears the caches
+        (drop_caches does, once the weights are in) and sleeps a fixed 20 ms for the outputs to reach their callers:
+        a third of a quickstart sync, and not needed (a token carries the weight version the engine core labelled it
+        with, whenever it arrives)."""
+        await self._call("POST", "/sleep", params={"level": 0, "mode": mode})
 
     async def resume(self) -> None:
-        await self._call("POST", "/resume")
+        await self._call("POST", "/wake_up", params={"tags": "scheduling"})
 
     async def reload_weights(self, weights_dir: str | Path) -> None:
         rpc = {"method": "molt_reload_weights", "kwargs": {"weights_path": str(weights_dir)}}  # vllm_ext.py
@@ -521,10 +526,20 @@ class EngineClient:
         if status >= 400:
             raise RuntimeError(f"engine {self.name} refused the adapter {adapter_dir}: HTTP {status} {text[:500]}")
 
-    async def reset_prefix_cache(self) -> None:
-        """Drop the cached KV (the old weights computed it); vLLM answers success false while a request holds blocks."""
-        if not (await self._call("POST", "/reset_prefix_cache"))["success"]:
+    async def reset_prefix_cache(self, running: bool = False) -> None:
+        """Drop the cached KV (the old weights computed it); running: the KV of requests in flight too (they are
+        preempted and computed again). vLLM answers success false while a request holds blocks."""
+        done = await self._call("POST", "/reset_prefix_cache", params={"reset_running_requests": running})
+        if not done["success"]:
             raise RuntimeError(f"engine {self.name} kept its prefix cache: a request still held blocks")
+
+    async def drop_caches(self) -> None:
+        """After a weight update, while paused: what the old weights computed (KV, running requests' included; the
+        vision encoder's outputs), as vLLM's /pause clears it."""
+        _, (status, text) = await asyncio.gather(self.reset_prefix_cache(running=True),
+                                                 self.send("POST", "/reset_encoder_cache"))  # answers no body
+        if status == 0 or status >= 500:
+            raise EngineDied(self.name, f"POST /reset_encoder_cache: HTTP {status} {text[:500]}")
 
     async def set_version(self, version: int) -> None:
         await self._call("POST", "/update_weight_version", json={"new_version": str(version)})

@@ -46,16 +46,15 @@ def write_checkpoint(state_dict: dict[str, torch.Tensor], out_dir: str | Path) -
 
 @contextlib.asynccontextmanager
 async def paused(clients: list[EngineClient], version: int, pause_mode: str = "wait"):
-    """Every engine paused around a weight update (both sync paths): on success their prefix caches are dropped
-    (cached KV was computed by the old weights) and the weights labelled `version`; they are resumed whatever
-    happened. pause_mode (engine.pause_mode): wait lets the requests in flight finish on the old weights first; keep
-    freezes them (vLLM's pause preempts them: their KV is computed again) and they go on under the new ones, their
-    later tokens labelled `version`."""
+    """Every engine paused around a weight update (both sync paths): on success their caches are dropped (the old
+    weights computed the cached KV and vision encoder outputs) and the weights labelled `version`; they are resumed
+    whatever happened. pause_mode (engine.pause_mode): wait lets the requests in flight finish on the old weights
+    first; keep freezes them (dropping the caches preempts them: their KV is computed again) and they go on under the
+    new ones, their later tokens labelled `version`."""
     await asyncio.gather(*(c.pause(pause_mode) for c in clients))
     try:
         yield
-        await asyncio.gather(*(c.reset_prefix_cache() for c in clients))
-        await asyncio.gather(*(c.set_version(version) for c in clients))
+        await asyncio.gather(*(c.drop_caches() for c in clients), *(c.set_version(version) for c in clients))
     finally:
         await asyncio.gather(*(c.resume() for c in clients), return_exceptions=True)
 

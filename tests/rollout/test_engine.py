@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from molt.reaper import private_tmp
-from molt.rollout.engine import EngineClient, group_pids, launch_engines, server_cmd
+from molt.rollout.engine import EngineClient, EngineServer, group_pids, launch_engines, server_cmd
 from molt.sync.reload import paused, sync_weights, verify_sync, write_checkpoint
 from molt.types import EngineDied
 from tests.rollout.conftest import PROBE, TIMINGS, engine_cfg, run
@@ -54,6 +54,9 @@ def test_server_cmd_passes_flags_through(tmp_path):
     assert "--no-enable-prefix-caching" in cmd and "--enable-scale-out" in cmd and "--enforce-eager" in cmd
     assert cmd[cmd.index("--data-parallel-size") + 1] == "2" and "--tensor-parallel-size" not in cmd
     assert cmd[-2:] == ["--seed", "3"]
+    env = lambda **kw: EngineServer("e", engine_cfg(**kw), str(tmp_path), str(tmp_path), tmp=str(tmp_path)).env()  # noqa: E731
+    assert env(cpu_threads=1)["OMP_NUM_THREADS"] == "1"
+    assert env().get("OMP_NUM_THREADS") == os.environ.get("OMP_NUM_THREADS"), "0: the engine's default, one per core"
 
 
 def test_generate_matches_transformers(engine, hf_model):

@@ -1,0 +1,241 @@
+"""The fixed cost of a quickstart step (issue 26 §3): the step piece by piece, then end to end against the reference.
+
+    python experiments/benchmarks/step_cost.py                  # both parts
+    python experiments/benchmarks/step_cost.py --part pieces    # one engine, one actor, no loop
+    python experiments/benchmarks/step_cost.py --part loop --steps 60
+
+The quickstart's workload: assets/tiny, 8 prompts x 8 samples, at most 4 new tokens, one torch thread.
+
+pieces (median of --reps repetitions after 3 warm-ups, each piece as the loop runs it):
+- rollouts: 8 groups through the rollout worker's path (Env mode, run_group over the Router), with the engine requests
+  it sent; beside it the engine alone (one seeded generate_n of 8 samples per prompt);
+- queue: 8 groups (their pickled size) through a Ray queue, one get per group, and in bulk as the loop pops them
+  (molt/loop.py Popper);
+- train: Actor.train_step, and the reference GRPO step (experiments/benchmarks/reference_grpo.py) on the same batch;
+- sync: each call of a weight sync (molt/sync/reload.py): export, safetensors written, pause, reload, caches dropped and
+  version set, resume; the probe (the actor's log-probs, the engine's);
+- mlflow: one step's metrics (as many as a quickstart step logs) to a sqlite store, in the caller's thread and queued
+  (synchronous=False, as tracking.log_metrics does).
+
+loop: `molt experiment=quickstart rollout.seed=0 eval.every=0 view.every=0` with rollout.max_lag=0 (synchronous) and 1
+(asynchronous), and parity.py's reference loop (HF generate + the reference step, one process), --steps each, one
+after the other; per run the median over steps 5.. of the wall time per step (Molt: between two steps' metrics, from
+their MLflow timestamps, logging and checkpoints included) and of Molt's phases.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import pickle
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+from experiments.benchmarks import parity  # noqa: E402
+from experiments.benchmarks import reference_grpo as ref  # noqa: E402
+
+GROUPS, N, TOKENS = 8, 8, 4
+
+
+def ms(xs: list[float]) -> str:
+    return f"{1000 * statistics.median(xs):8.1f} ms"
+
+
+@contextlib.contextmanager
+def timed(table: dict, name: str):
+    """Appends the block's wall time to table[name]."""
+    t0 = time.perf_counter()
+    yield
+    table.setdefault(name, []).append(time.perf_counter() - t0)
+
+
+def quickstart_cfg():
+    from hydra import compose, initialize_config_dir
+
+    from molt.config import register
+
+    register()
+    with initialize_config_dir(str(REPO / "conf"), version_base=None):
+        return compose("config", overrides=["experiment=quickstart", "rollout.seed=0"])
+
+
+async def rollout_and_sync(client, cfg, model_dir: Path, actor, reps: int) -> tuple[dict, dict]:
+    """Per rep: the rollouts, one train step on them, a weight sync with its probe; each piece timed."""
+    import importlib
+
+    from transformers import AutoTokenizer
+
+    from molt.agents import load_agent, run_group
+    from molt.agents.pool import sampling_params
+    from molt.data import DataStream, load_jsonl
+    from molt.loop import prepare
+    from molt.rollout.router import Router
+    from molt.sync import reload
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    agent = load_agent(cfg.agent.mode, importlib.import_module(cfg.agent.module))
+    stream = DataStream(load_jsonl(cfg.task.train_path), seed=0)
+    sent, real = [], client.generate_n
+
+    async def counted(ids, max_tokens, n, **kw):
+        sent.append(n)
+        return await real(ids, max_tokens, n, **kw)
+
+    client.generate_n = counted
+    router, sampling = Router([client], seed=0), sampling_params(cfg.rollout)
+    t, counts = {}, {}
+    model = ref_model(model_dir)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=0.0)
+    for rep in range(reps + 3):
+        t = {} if rep == 3 else t  # the first three are warm-ups
+        rows = [stream.next() for _ in range(GROUPS)]
+        sent.clear()
+        with timed(t, "rollouts: 8 groups, the worker's path"):
+            groups = await asyncio.gather(*(run_group(cfg.agent.mode, router, tok, agent, s, f"g{rep}.{i}", N,
+                                                      cfg.agent, sampling, release=router.release) for i, s in rows))
+        counts["engine requests per group"] = len(sent) / GROUPS
+        prompts = [(s := g.rollouts[0].segments[0]).token_ids[:s.loss_mask.index(1)] for g in groups]
+        with timed(t, "rollouts: the engine alone"):
+            await asyncio.gather(*(real(p, TOKENS, N, seed=rep * 100 + i, **sampling) for i, p in enumerate(prompts)))
+        for g in groups:
+            g.index = 0
+        counts["queue: pickled bytes of 8 groups"] = len(pickle.dumps(groups))
+        prep = prepare(groups, cfg, actor)
+        with timed(t, "train: Actor.train_step"):
+            actor.train_step(prep.segments, prep.advantages, cfg.rollout.temperature)
+        samples = [(s.token_ids, s.loss_mask, s.logprobs) for s in prep.segments]
+        with timed(t, "train: the reference step"):
+            ref.grpo_step(model, opt, samples, torch.tensor(prep.advantages), cfg.train.grad_clip)
+        with timed(t, "sync: export weights"):
+            weights = actor.export_weights()
+        with tempfile.TemporaryDirectory(dir=cfg.engine.sync_dir) as d:
+            with timed(t, "sync: write safetensors"):
+                reload.write_checkpoint(weights, d)
+            with timed(t, "sync: pause"):
+                await client.pause(cfg.engine.pause_mode)
+            with timed(t, "sync: reload"):
+                await client.reload_weights(d)
+            with timed(t, "sync: drop caches, set version"):
+                await asyncio.gather(client.drop_caches(), client.set_version(rep + 1))
+            with timed(t, "sync: resume"):
+                await client.resume()
+        probe = prep.segments[0]
+        with timed(t, "sync: probe, the actor"):
+            expected = actor.logprobs([probe], cfg.rollout.temperature)[0][1:]
+        with timed(t, "sync: probe, the engine"):
+            await reload.verify_sync(client, probe.token_ids, expected, cfg.engine.probe_tol)
+    return t, counts | {"queue": groups}
+
+
+def ref_model(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+def queue_cost(groups, reps: int) -> dict:
+    import ray
+    from ray.util.queue import Queue
+
+    from molt.loop import Popper
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        q, t = Queue(), {}
+        for rep in range(reps + 3):
+            t = {} if rep == 3 else t
+            q.put_nowait_batch([("group", g) for g in groups])
+            with timed(t, "queue: 8 gets"):
+                for _ in groups:
+                    q.get(timeout=10)
+            q.put_nowait_batch([("group", g) for g in groups])
+            with timed(t, "queue: 8 pops in bulk (Popper)"):
+                popper = Popper()
+                for _ in groups:
+                    popper.pop(q, None)
+        return t
+    finally:
+        ray.shutdown()
+
+
+def mlflow_cost(reps: int, metrics: int = 60) -> dict:
+    import mlflow
+
+    with tempfile.TemporaryDirectory() as d:
+        mlflow.set_tracking_uri(f"sqlite:///{d}/mlflow.db")
+        t = {}
+        with mlflow.start_run():
+            values = {f"m/{i}": float(i) for i in range(metrics)}
+            for rep in range(reps + 3):
+                t = {} if rep == 3 else t
+                with timed(t, f"mlflow: {metrics} metrics, in the caller"):
+                    mlflow.log_metrics(values, step=2 * rep)
+                with timed(t, f"mlflow: {metrics} metrics, queued"):
+                    mlflow.log_metrics(values, step=2 * rep + 1, synchronous=False)
+            mlflow.flush_async_logging()
+        return t
+
+
+def pieces(reps: int) -> None:
+    from molt.actor.actor import Actor
+    from molt.assets import ensure_model
+    from molt.rollout.engine import launch_engines
+
+    cfg = quickstart_cfg()
+    model_dir = ensure_model(REPO / "assets/tiny", "tiny")
+    torch.manual_seed(0)
+    actor = Actor(model_dir, cfg.train)  # train.num_threads=1, as the quickstart's actor
+    with tempfile.TemporaryDirectory() as logs, launch_engines(cfg.engine, model_dir, logs) as servers:
+        t, counts = asyncio.run(rollout_and_sync(servers[0].client(), cfg, model_dir, actor, reps))
+    groups = counts.pop("queue")
+    t |= queue_cost(groups, reps) | mlflow_cost(reps)
+    print(f"\npieces of a quickstart step (median of {reps})")
+    for name, xs in t.items():
+        print(f"  {name:44s} {ms(xs)}")
+    for name, v in counts.items():
+        print(f"  {name:44s} {v:11.1f}")
+
+
+def loop(steps: int, out: Path) -> None:
+    """Molt synchronous, Molt asynchronous, the reference loop: median s/step and Molt's phases."""
+    from molt.assets import ensure_model
+
+    model_dir = ensure_model(REPO / "assets/tiny", "tiny")
+    rows = []
+    for lag in (0, 1):
+        res = parity.molt_run(0, steps, out, extra=[f"rollout.max_lag={lag}"], keys=PHASES)
+        rows.append((f"molt, max_lag={lag}", res))
+    rows.append(("reference loop", parity.reference_run(0, steps, model_dir)))
+    print(f"\nquickstart, {steps} steps each, medians over steps 5..{steps - 1}")
+    print(f"  {'':20s} {'s/step':>8s} " + " ".join(f"{k.removeprefix('time/'):>9s}" for k in PHASES))
+    for name, res in rows:
+        phases = " ".join(f"{statistics.median(res[k][5:]):9.4f}" if res.get(k) else f"{'':9s}" for k in PHASES)
+        print(f"  {name:20s} {statistics.median(res.get('wall_s', res['step_s'])[5:]):8.4f} {phases}")
+
+
+PHASES = ("time/wait", "time/generate", "time/train", "time/sync", "time/other")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", choices=["both", "pieces", "loop"], default="both")
+    ap.add_argument("--reps", type=int, default=30, help="pieces: repetitions of each")
+    ap.add_argument("--steps", type=int, default=60, help="loop: steps of each run")
+    ap.add_argument("--out", default=str(REPO / "outputs/step_cost"), help="loop: where the molt runs go")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    if a.part in ("both", "pieces"):
+        pieces(a.reps)
+    if a.part in ("both", "loop"):
+        loop(a.steps, Path(a.out))
+
+
+if __name__ == "__main__":
+    main()
