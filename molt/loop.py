@@ -202,7 +202,8 @@ class Clock:
         """This step's times; the next step's start now."""
         now, phases = time.time(), self.phases
         step, self.start, self.phases = now - self.start, now, {}
-        return {f"time/{k}": v for k, v in phases.items()} | {"time/step": step, "time/other": step - sum(phases.values())}
+        return {f"time/{k}": v for k, v in phases.items()} | {"time/step": step,
+                                                             "time/other": step - sum(phases.values())}
 
 
 def make_actor(cfg, model_dir: Path):
@@ -271,9 +272,9 @@ _RAY_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTE
 
 
 class Popper:
-    """Items of the queue, one at a time, fetched in bulk: every item the queue holds in three calls to its actor
-    (a call costs 1-5 ms on a busy 2-core machine; eight of them per step were a tenth of a quickstart step).
-    What one step leaves is the next one's."""
+    """Items of the queue, one at a time, fetched in bulk: every item the queue holds in three calls to its actor, not
+    one per item (a quickstart step's 8 groups: 3.1 ms, not 7.8; experiments/benchmarks/step_cost.py). What one step
+    leaves is the next one's."""
 
     def __init__(self):
         self.held: deque = deque()

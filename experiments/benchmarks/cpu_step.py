@@ -5,7 +5,7 @@ Workload: 8 prompts "Write a short sentence about the number N." x 8 samples = 6
 
     python experiments/benchmarks/cpu_step.py actor [--reps 3] [--attn molt_varlen,sdpa]   # actor-only vs plain torch
     python experiments/benchmarks/cpu_step.py suspects [--reps 2]                          # one change at a time
-    python experiments/benchmarks/cpu_step.py e2e [--steps 6] [--precision fp32,bf16] [overrides...]  # the whole loop
+    python experiments/benchmarks/cpu_step.py e2e [--steps 6] [--precision fp32,bf16] [--peer] [overrides...]  # the loop
 
 `actor`: the same 64 rollouts (real prompt ids from the chat template, generated lengths drawn to match the e2e
 run's mean of ~41 tokens with a tail to 128) trained by Actor.train_step (packed rows) and by a plain-torch
@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
@@ -185,13 +186,17 @@ def suspects(args) -> None:
         print(f"  {e.self_cpu_time_total / 1e6:7.2f} s  x{e.count:<6} {e.key}")
 
 
+def task_rows() -> list[dict]:
+    return [{"messages": [{"role": "user", "content": PROMPT.format(n=n)}], "n": n}
+            for n in random.Random(0).sample(range(1000), 200)]
+
+
 def e2e_run(args, extra: list[str]) -> dict[str, list[float]]:
     """One `python -m molt model=smollm2_135m` run on this task; its per-step MLflow record."""
     import mlflow
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "train.jsonl"
-        data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": PROMPT.format(n=n)}], "n": n})
-                                + "\n" for n in random.Random(0).sample(range(1000), 200)))
+        data.write_text("".join(json.dumps(row) + "\n" for row in task_rows()))
         cmd = [sys.executable, "-m", "molt", "model=smollm2_135m", "agent.module=experiments.benchmarks.cpu_step",
                f"task.train_path={data}", f"task.eval_path={data}", f"train.steps={args.steps}", "eval.every=0",
                "train.groups_per_step=8", "rollout.n=8", "rollout.temperature=1.0", "agent.max_tokens_per_turn=128",
@@ -204,8 +209,44 @@ def e2e_run(args, extra: list[str]) -> dict[str, list[float]]:
                 for k in KEYS + MISMATCH}
 
 
+def peer_run(steps: int) -> list[float]:
+    """The peer: TRL's GRPOTrainer on the same model, prompts and settings (8 prompts x 8 samples, up to 128 new
+    tokens, temperature 1, lr 1e-6, no KL, clip 1, fp32 on the CPU, HF generate); the wall time of each step."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from molt.assets import ensure_model
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.times, self.t0 = [], 0.0
+
+        def on_step_begin(self, *a, **kw):
+            self.t0 = time.time()
+
+        def on_step_end(self, *a, **kw):
+            self.times.append(time.time() - self.t0)
+
+    def reward(completions, n, **kw):
+        return [float(str(x) in c[-1]["content"]) for c, x in zip(completions, n)]
+
+    rows = [{"prompt": r["messages"], "n": r["n"]} for r in task_rows()]
+    clock = Clock()
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = GRPOConfig(output_dir=tmp, per_device_train_batch_size=64, num_generations=8, max_completion_length=128,
+                         temperature=1.0, learning_rate=1e-6, beta=0.0, max_grad_norm=1.0, weight_decay=0.0,
+                         lr_scheduler_type="constant", max_steps=steps, logging_steps=1, use_cpu=True, bf16=False,
+                         report_to=[], save_strategy="no", seed=0, remove_unused_columns=False)
+        model = str(ensure_model(REPO / "assets/smollm2_135m", "smollm2_135m"))
+        GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=Dataset.from_list(rows),
+                    callbacks=[clock]).train()
+    return clock.times
+
+
 def e2e(args, extra: list[str]) -> None:
-    """The whole loop once per --precision (fp32: the default; bf16: precision=bf16), one after the other."""
+    """The whole loop once per --precision (fp32: the default; bf16: precision=bf16), one after the other; with
+    --peer, then TRL's GRPOTrainer on the same workload."""
     summary = []
     for precision in args.precision.split(","):
         hist = e2e_run(args, extra + ([f"precision={precision}"] if precision != "fp32" else []))
@@ -220,6 +261,13 @@ def e2e(args, extra: list[str]) -> None:
           "|---|---|---|---|---|---|")  # the mismatch and probe figures: means over steps 2+
     for name, step, mean, top, probe in summary:
         print(f"| {name} | {step:.1f} | {summary[0][1] / step:.2f}x | {mean:.2e} | {top:.2e} | {probe:.2e} |")
+    if args.peer:
+        times = peer_run(args.steps)
+        peer = statistics.median(times[1:])
+        print(f"\npeer (TRL {version('trl')} GRPOTrainer, fp32): s/step " + ", ".join(f"{t:.1f}" for t in times)
+              + f"; median (steps 2+) {peer:.1f} (load {load()})")
+        for name, step, *_ in summary:
+            print(f"| molt {name} | {step:.1f} s/step | {peer / step:.2f}x the peer's speed |")
 
 
 def main() -> None:
@@ -230,6 +278,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--precision", default="fp32", help="e2e: fp32,bf16 runs both (bf16: molt precision=bf16)")
+    p.add_argument("--peer", action="store_true", help="e2e: then TRL's GRPOTrainer on the same workload")
     args, extra = p.parse_known_args()
     print(f"load average at start: {load()}")
     {"actor": actor_only, "suspects": suspects}.get(args.mode, lambda a: e2e(a, extra))(args)

@@ -169,7 +169,7 @@ class EngineServer:
         # start, since Inductor caches under the engine's own TMPDIR, which goes with the run
         eager = {"TORCH_COMPILE_DISABLE": "1"} if _cpu_build() and self.cfg.enforce_eager else {}
         threads = {"OMP_NUM_THREADS": str(self.cfg.cpu_threads)} if self.cfg.cpu_threads > 0 else {}
-        return dict(os.environ, **eager, **threads, VLLM_SERVER_DEV_MODE="1",  # pause/resume/collective_rpc (see the class doc)
+        return dict(os.environ, **eager, **threads, VLLM_SERVER_DEV_MODE="1",  # sleep, collective_rpc (class doc)
                     VLLM_ENABLE_V1_MULTIPROCESSING="0" if uniproc else "1",
                     VLLM_API_KEY=self.api_key,
                     HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=str(self.cfg.kv_cache_gb),
