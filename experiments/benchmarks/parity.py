@@ -165,7 +165,7 @@ def molt_run(seed: int, steps: int, out: Path, extra: list[str] = (), keys: tupl
     rid = client.search_runs([e.experiment_id for e in client.search_experiments()])[0].info.run_id
     hist = lambda k: [m.value for m in sorted(client.get_metric_history(rid, k), key=lambda m: m.step)]  # noqa: E731
     stamps = [m.timestamp for m in sorted(client.get_metric_history(rid, "reward/mean"), key=lambda m: m.step)]
-    return {"rewards": hist("reward/mean"), "step_s": hist("time/step"),  # wall: between two steps' metrics (ms)
+    return {"rewards": hist("reward/mean"), "step_s": hist("time/step"),  # wall_s: from the metrics' timestamps (ms)
             "wall_s": [(b - a) / 1000 for a, b in zip(stamps, stamps[1:])]} | {k: hist(k) for k in keys}
 
 
