@@ -66,8 +66,9 @@ def quickstart_cfg():
         return compose("config", overrides=["experiment=quickstart", "rollout.seed=0"])
 
 
-async def rollout_and_sync(client, cfg, model_dir: Path, actor, reps: int) -> tuple[dict, dict]:
-    """Per rep: the rollouts, one train step on them, a weight sync with its probe; each piece timed."""
+async def rollout_and_sync(client, cfg, model_dir: Path, actor, reps: int) -> tuple[dict, dict, list]:
+    """Per rep: the rollouts, one train step on them, a weight sync with its probe; each piece timed. Returns the
+    times, the counts and the last rep's groups."""
     import importlib
 
     from transformers import AutoTokenizer
@@ -131,7 +132,7 @@ async def rollout_and_sync(client, cfg, model_dir: Path, actor, reps: int) -> tu
             expected = actor.logprobs([probe], cfg.rollout.temperature)[0][1:]
         with timed(t, "sync: probe, the engine"):
             await reload.verify_sync(client, probe.token_ids, expected, cfg.engine.probe_tol)
-    return t, counts | {"queue": groups}
+    return t, counts, groups
 
 
 def ref_model(model_dir: Path):
@@ -193,8 +194,7 @@ def pieces(reps: int) -> None:
     torch.manual_seed(0)
     actor = Actor(model_dir, cfg.train)  # train.num_threads=1, as the quickstart's actor
     with tempfile.TemporaryDirectory() as logs, launch_engines(cfg.engine, model_dir, logs) as servers:
-        t, counts = asyncio.run(rollout_and_sync(servers[0].client(), cfg, model_dir, actor, reps))
-    groups = counts.pop("queue")
+        t, counts, groups = asyncio.run(rollout_and_sync(servers[0].client(), cfg, model_dir, actor, reps))
     t |= queue_cost(groups, reps) | mlflow_cost(reps)
     print(f"\npieces of a quickstart step (median of {reps})")
     for name, xs in t.items():

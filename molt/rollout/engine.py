@@ -443,13 +443,14 @@ class EngineClient:
             return 0, repr(e)
         return r.status_code, r.text
 
-    async def _call(self, method: str, path: str, **kw) -> dict:
+    async def _call(self, method: str, path: str, **kw) -> dict | None:
+        """The JSON answer (None: an empty body); EngineDied when unreachable or on HTTP 5xx, RuntimeError on 4xx."""
         status, text = await self.send(method, path, **kw)
         if status == 0 or status >= 500:
             raise EngineDied(self.name, f"{method} {path}: " + (f"HTTP {status} {text[:500]}" if status else text))
         if status >= 400:
             raise RuntimeError(f"engine {self.name} rejected {method} {path}: HTTP {status} {text[:500]}")
-        return json.loads(text)
+        return json.loads(text) if text else None
 
     async def generate(self, token_ids: list[int], max_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                        top_k: int = -1, stop_token_ids: list[int] | None = None, features: dict | None = None) -> Completion:
@@ -536,10 +537,7 @@ class EngineClient:
     async def drop_caches(self) -> None:
         """After a weight update, while paused: what the old weights computed (KV, running requests' included; the
         vision encoder's outputs), as vLLM's /pause clears it."""
-        _, (status, text) = await asyncio.gather(self.reset_prefix_cache(running=True),
-                                                 self.send("POST", "/reset_encoder_cache"))  # answers no body
-        if status == 0 or status >= 500:
-            raise EngineDied(self.name, f"POST /reset_encoder_cache: HTTP {status} {text[:500]}")
+        await asyncio.gather(self.reset_prefix_cache(running=True), self._call("POST", "/reset_encoder_cache"))
 
     async def set_version(self, version: int) -> None:
         await self._call("POST", "/update_weight_version", json={"new_version": str(version)})
