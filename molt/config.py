@@ -144,6 +144,8 @@ class LoraConfig:
     dropout: float = 0.0  # on the adapters' input, in the training forward only (scoring and the probe see none)
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     seed: int = 0  # A ~ kaiming-uniform from this seed (B = 0: training starts at the base model)
+    # modules trained in full beside the adapters (peft's rule: a module whose name ends with one), e.g. [lm_head]
+    modules_to_save: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -249,14 +249,22 @@ def lora_combinations(cfg, hf):
                "engine.sync=nccl": (cfg.engine.sync == "nccl", "the NCCL path sends the full state dict; use "
                                     "engine.sync=reload (merged adapted weights) or engine.sync=adapter"),
                "a vision-language model": ("vision_config" in hf, "the vision tower's modules are not LoRA targets "
-                                           "and vLLM's LoRA on multimodal models is untested here")}
+                                           "and vLLM's LoRA on multimodal models is untested here"),
+               "lora.modules_to_save and engine.sync=adapter": (
+                   lo.modules_to_save and cfg.engine.sync == "adapter", "vLLM loads no fully trained module with an "
+                   "adapter but a pooling model's classifier; use engine.sync=reload (merged)"),
+               "lora.modules_to_save and a base-model reference (train.kl_coef > 0, estimator=opd)": (
+                   lo.modules_to_save and (cfg.train.kl_coef > 0 or e.name == "opd"),
+                   "the reference is the policy with its adapters off, which keeps the trained modules; "
+                   "drop modules_to_save or the KL")}
     for what, (on, why) in refused.items():
         if on:
             return f"lora.rank={lo.rank} with {what} is refused: {why}; or set lora.rank=0"
 
 
 def lora_targets(cfg, hf):
-    """Every lora.target_modules name must match linear layers of the decoder (listed when one does not)."""
+    """Every lora.target_modules name must match linear layers of the decoder (listed when one does not), and every
+    lora.modules_to_save name a module neither adapted nor tied."""
     if cfg.lora.rank <= 0 or not hf:
         return None
     from accelerate import init_empty_weights

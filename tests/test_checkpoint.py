@@ -20,7 +20,7 @@ from molt.actor.group import init_distributed, rank_actor
 from molt.assets import ensure_model
 from molt.config import FsdpConfig, TrainConfig
 from molt.net import free_port
-from tests.actor.test_parallel import LORA, TRAIN, run_steps, segments
+from tests.actor.test_parallel import LORA, SAVED, TRAIN, run_steps, segments
 
 
 def _two_ranks(rank, port, models, ckpts, out):
@@ -84,7 +84,9 @@ def test_lora_dp2_checkpoint_holds_the_adapters_and_resumes_at_dp1(resharded, tm
     models, ckpts, _ = resharded
     path = checkpoint.latest(ckpts["tiny_lora"])
     keys = {k for f in (path / "policy").glob("*.safetensors") for k in safe_open(str(f), "pt").keys()}
-    assert keys and all(".lora_" in k for k in keys)  # adapters and their AdamW moments, no base weight
+    # the adapters, the modules trained in full (modules_to_save) and their AdamW moments, no other base weight
+    full = {k for k in keys if any(f".{n}" in k for n in SAVED)}
+    assert keys and all(".lora_" in k for k in keys - full) and {k.split(".", 1)[1] for k in full} >= set(SAVED)
     assert {k.split(".", 1)[0] for k in keys} == {"model", "optim"}
     actor = Actor(models["tiny"], TRAIN, lora_cfg=LORA)
     checkpoint.load(path, actor)

@@ -152,6 +152,13 @@ CASES = [
     ("lora_targets", ["lora.rank=4", "model=tiny_moe", "lora.target_modules=[q_proj,experts]"],
      "model.layers.0.mlp.experts is a Qwen3MoeExperts: LoRA adapts the decoder layers' linear layers only"),
     ("lora_targets", ["lora.rank=1000"], "lora.rank=1000 exceeds the dimensions of model.layers.0.self_attn.q_proj"),
+    ("lora_targets", ["lora.rank=4", "lora.modules_to_save=[lm_heads]"], "outside its layers it has ['lm_head', "),
+    ("lora_targets", ["lora.rank=4", "lora.modules_to_save=[lm_head,q_proj]"], "overlap lora.target_modules"),
+    ("lora_targets", ["lora.rank=4", "model=smollm2_135m", "lora.modules_to_save=[lm_head]"], "are tied"),
+    ("lora_combinations", ["lora.rank=4", "lora.modules_to_save=[lm_head]", "engine.sync=adapter"],
+     "with lora.modules_to_save and engine.sync=adapter is refused"),
+    ("lora_combinations", ["lora.rank=4", "lora.modules_to_save=[norm]", "train.kl_coef=0.1"],
+     "a base-model reference"),
 ]
 
 
@@ -179,7 +186,8 @@ def test_guard_fires(base, name, overrides, fragment):
                                        ["resume=true", "checkpoint_dir=${assets_dir}/ckpt"],
                                        ["train.replay_rollouts=${assets_dir}/dump"],
                                        ["lora.rank=8", "train.kl_coef=0.1", "engine.sync=adapter", "fsdp.dp_size=2"],
-                                       ["lora.rank=4", "model=tiny_moe", "fsdp.ep_size=2"], [*OPD, "lora.rank=4"]])
+                                       ["lora.rank=4", "model=tiny_moe", "fsdp.ep_size=2"], [*OPD, "lora.rank=4"],
+                                       ["lora.rank=4", "lora.modules_to_save=[lm_head,model.norm]"]])
 def test_valid_runs_pass(base, overrides):
     assert guards.check(compose(*base, *overrides)) is None
 

@@ -199,7 +199,7 @@ class Actor:
         model.eval().requires_grad_(trainable)
         vision.attach(model, model_dir, freeze=self.cfg.freeze_vision)
         if adapters is not None:
-            lora.init_adapters(lora.freeze_base(model), adapters.seed)
+            lora.init_adapters(lora.freeze_base(model, adapters), adapters.seed)
         return model
 
     def backward(self, segments: list[Segment], advantages: list, temperature: float = 1.0,
@@ -346,14 +346,16 @@ class Actor:
         Gotcha: transformers fuses some checkpoint tensors on load (Qwen3-MoE's per-expert gate/up/down become
         3-D gate_up_proj/down_proj); an engine reloading the fused names silently keeps its old experts, so
         the conversion is reverted here, as save_pretrained does.
-        With LoRA: only the adapted weights, merged (W + alpha/r B A), and the ones vLLM fuses with them (lora.py)."""
+        With LoRA: only the adapted weights, merged (W + alpha/r B A), the ones vLLM fuses with them and the modules
+        trained in full (lora.py)."""
         if self.lora is not None:
             return lora.merged(self.model, parallel.full_tensors(self.model, only=lora.sync_names(self.model)))
         return revert_weight_conversion(self.model, parallel.full_tensors(self.model, head=True))
 
     def export_adapters(self) -> dict[str, torch.Tensor]:
-        """LoRA: the adapters' full tensors, fp32 on the host (engine.sync=adapter; a collective with a mesh)."""
-        return parallel.full_tensors(self.model, only=lora.adapter_names(self.model))
+        """LoRA: the full tensors of the adapters (and lora.modules_to_save), fp32 on the host (engine.sync=adapter,
+        the checkpoint's PEFT folder; a collective with a mesh)."""
+        return parallel.full_tensors(self.model, only=lora.trained_names(self.model))
 
     def apply(self, fn, *args):
         """fn(self, *args): how a layer above the actor (the weight sync, molt/sync/) runs its code on the actor,

@@ -6,6 +6,7 @@ only them.
     init_adapters(model, cfg.lora.seed)           # after it: A kaiming-uniform from the seed, B = 0, on any layout
     with disabled(model): ...                     # the base model's forward: the KL reference, without a second copy
     merged(model, full)                           # W + alpha/r B A of every targeted weight, under the HF names
+                                                  # (and cfg.modules_to_save: modules trained in full beside them)
     write_adapter(full, cfg.lora, base, out_dir)  # a PEFT adapter folder (peft, and vLLM's LoRA loading, read it)
 
 peft inserts `.base_layer` into the base weight's name and adds `lora_A.default` / `lora_B.default`; the module
@@ -28,15 +29,23 @@ ADAPTER = "default"  # peft's adapter name inside the module tree; PEFT folders 
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def peft_config(cfg):
+def peft_config(cfg, saved: bool = False):
+    """peft's LoraConfig of cfg; `saved`: with modules_to_save, for the folder written (injecting them would wrap each
+    in peft's ModulesToSaveWrapper and rename its weights; the actor trains them in place instead, freeze_base)."""
     from peft import LoraConfig
 
-    return LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                      target_modules=list(cfg.target_modules), bias="none")
+    return LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, bias="none",
+                      target_modules=list(cfg.target_modules),
+                      modules_to_save=list(cfg.modules_to_save) or None if saved else None)
 
 
 def is_adapter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
+
+
+def saved(model, cfg) -> dict[str, torch.nn.Module]:
+    """name -> module for every module cfg.modules_to_save trains in full (peft's rule: the name ends with it)."""
+    return {n: m for n, m in model.named_modules() if n and any(n.endswith(t) for t in cfg.modules_to_save)}
 
 
 def targets(model, cfg) -> dict[str, torch.nn.Module]:
@@ -67,6 +76,17 @@ def problem(model, cfg) -> str | None:
         if cfg.rank > min(m.in_features, m.out_features):
             return (f"lora.rank={cfg.rank} exceeds the dimensions of {name} ({m.in_features} -> {m.out_features}): "
                     f"a rank above {min(m.in_features, m.out_features)} adds nothing; lower lora.rank")
+    full, tops = saved(model, cfg), sorted(n for n, m in model.named_modules() if "layers" not in n and n and
+                                           next(m.parameters(recurse=False), None) is not None)
+    unknown = [t for t in cfg.modules_to_save if not any(n.endswith(t) for n in full)]
+    if unknown:
+        return f"lora.modules_to_save: {unknown} name no module of the model; outside its layers it has {tops}"
+    both = sorted(n for n in full if any(n == t or n.startswith(t + ".") or t.startswith(n + ".") for t in found))
+    tied = getattr(model.config, "tie_word_embeddings", False) and [n for n in full if n.endswith(("lm_head", "embed_tokens"))]
+    if both or tied:
+        return (f"lora.modules_to_save: {both or tied} " + ("overlap lora.target_modules: a module is adapted or "
+                "trained in full, not both" if both else "are tied (tie_word_embeddings): training the head trains "
+                "the embeddings, which vLLM reads for both; train another module or use full fine-tuning"))
 
 
 def inject(model, cfg):
@@ -74,18 +94,20 @@ def inject(model, cfg):
     from peft import inject_adapter_in_model
 
     inject_adapter_in_model(peft_config(cfg), model, adapter_name=ADAPTER)
-    return freeze_base(model)
+    return freeze_base(model, cfg)
 
 
-def freeze_base(model):
-    """Gradients (hence optimizer state) for the adapters only."""
+def freeze_base(model, cfg):
+    """Gradients (hence optimizer state) for the adapters and cfg.modules_to_save only."""
+    full = tuple(f"{n}." for n in saved(model, cfg))
     for name, p in model.named_parameters():
-        p.requires_grad_(is_adapter(name))
+        p.requires_grad_(is_adapter(name) or name.startswith(full))
     return model
 
 
-def adapter_names(model) -> set[str]:
-    return {n for n, _ in model.named_parameters() if is_adapter(n)}
+def trained_names(model) -> set[str]:
+    """The parameters a LoRA run trains, saves and exports: the adapters and the modules trained in full."""
+    return {n for n, p in model.named_parameters() if p.requires_grad}
 
 
 def layers(model) -> dict[str, torch.nn.Module]:
@@ -145,14 +167,15 @@ def dropout_on(model):
 
 
 def sync_names(model) -> set[str]:
-    """The state-dict names a merged sync needs: each adapted module's base weight and adapters, and the weights of
-    the projections vLLM fuses with an adapted one."""
+    """The state-dict names a merged sync needs: each adapted module's base weight and adapters, the weights of
+    the projections vLLM fuses with an adapted one, and the modules trained in full (modules_to_save)."""
     adapted = set(layers(model))
     need = set(adapted)
     for name in adapted:
         parent, _, leaf = name.rpartition(".")
         need |= {f"{parent}.{s}" for group in FUSED if leaf in group for s in group}
-    return {k for k in model.state_dict() if _module(k) in need and (is_adapter(k) or k.endswith(".weight"))}
+    return {k for k in model.state_dict() if _module(k) in need and (is_adapter(k) or k.endswith(".weight"))} | {
+        k for k in trained_names(model) if not is_adapter(k)}
 
 
 def _module(key: str) -> str:
@@ -166,8 +189,7 @@ def merged(model, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for key, w in full.items():
         if is_adapter(key):
             continue
-        module = _module(key)
-        name = f"{module}.weight"
+        module, name = _module(key), key.replace(".base_layer.", ".")
         if f"{module}.lora_A.{ADAPTER}.weight" in full:
             a, b = full[f"{module}.lora_A.{ADAPTER}.weight"], full[f"{module}.lora_B.{ADAPTER}.weight"]
             w = w + model.get_submodule(module).scaling[ADAPTER] * (b @ a)
@@ -176,9 +198,9 @@ def merged(model, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def adapter_tensors(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The adapters under PEFT's file names (base_model.model.<module>.lora_A.weight)."""
-    return {f"base_model.model.{k.replace(f'.{ADAPTER}.', '.')}": t.contiguous() for k, t in full.items()
-            if is_adapter(k)}
+    """The adapters (and modules_to_save) under PEFT's file names: base_model.model.<module>.lora_A.weight, and
+    base_model.model.<module>.weight for a module trained in full."""
+    return {f"base_model.model.{k.replace(f'.{ADAPTER}.', '.')}": t.contiguous() for k, t in full.items()}
 
 
 def write_adapter(full: dict[str, torch.Tensor], cfg, base: str | Path, out_dir: str | Path) -> Path:
@@ -187,7 +209,7 @@ def write_adapter(full: dict[str, torch.Tensor], cfg, base: str | Path, out_dir:
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    conf = peft_config(cfg).to_dict() | {"base_model_name_or_path": str(base), "peft_type": "LORA"}
+    conf = peft_config(cfg, saved=True).to_dict() | {"base_model_name_or_path": str(base), "peft_type": "LORA"}
     conf["target_modules"] = sorted(conf["target_modules"])  # a set in peft's dict
     (out / "adapter_config.json").write_text(json.dumps(conf, indent=1, default=str))
     save_file(adapter_tensors(full), str(out / "adapter_model.safetensors"), metadata={"format": "pt"})

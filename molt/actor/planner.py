@@ -136,9 +136,10 @@ def bytes_per_element(cfg) -> tuple[int, int]:
     return size, size
 
 
-def read_shards(cfg) -> tuple[int, int, int, int, tuple[int, list[int]], int]:
+def read_shards(cfg) -> tuple[int, int, int, int, tuple[int, list[int]], int, int]:
     """(total params, total routed-expert params, local params, local expert params, gathered sizes, local LoRA
-    adapter params) of the layout; with lora.rank > 0 the adapters are in, as the actor puts them in (lora.inject)."""
+    adapter params, local params of lora.modules_to_save) of the layout; with lora.rank > 0 the adapters are in, as
+    the actor puts them in (lora.inject)."""
     is_expert = lambda n, p: n.endswith(("gate_up_proj", "down_proj")) and p.dim() == 3  # noqa: E731  fused experts
     with fake_world(derived(cfg)["world_size"]):
         with torch.device("meta"):  # no storage behind the parameters
@@ -151,7 +152,9 @@ def read_shards(cfg) -> tuple[int, int, int, int, tuple[int, list[int]], int]:
         local = sum(local_numel(p) for n, p in model.named_parameters() if not lora.is_adapter(n))
         local_expert = sum(local_numel(p) for n, p in model.named_parameters() if is_expert(n, p))
         adapters = sum(local_numel(p) for n, p in model.named_parameters() if lora.is_adapter(n))
-        return total, total_expert, local, local_expert, gathered_sizes(model), adapters
+        saved = sum(local_numel(p) for n, p in model.named_parameters()
+                    if cfg.lora.rank > 0 and p.requires_grad and not lora.is_adapter(n))
+        return total, total_expert, local, local_expert, gathered_sizes(model), adapters, saved
 
 
 def plan_memory(cfg) -> Plan:
@@ -159,14 +162,15 @@ def plan_memory(cfg) -> Plan:
     f, c, t = cfg.fsdp, cfg.cluster, cfg.train
     hf = AutoConfig.from_pretrained(str(cfg.model.path)).to_dict()
     state_bytes, compute_bytes = bytes_per_element(cfg)
-    total, total_expert, params, expert, (root, layers), adapters = read_shards(cfg)
+    total, total_expert, params, expert, (root, layers), adapters, saved = read_shards(cfg)
     tokens = t.micro_batch_rows * t.row_tokens // f.cp_size
     acts, how = activation_bytes(hf, tokens, compute_bytes, t.activation_checkpointing)
     layers = layers[:2]
     offload = f.offload == "optimizer"
     master = cfg.model.master if cfg.model.master is not None else (  # molt/actor/master.py, as Actor decides
         c.gpus_per_node > 0 and derived(cfg)["world_size"] == 1 and not offload)
-    trained = adapters if cfg.lora.rank > 0 else params  # LoRA: the base is frozen (no grads, no moments)
+    # LoRA: the base is frozen (no grads, no moments) but for lora.modules_to_save
+    trained = adapters + saved if cfg.lora.rank > 0 else params
     if master:  # every weight in bf16; the trained ones also as fp32 masters, with bf16 grads
         states = {"params": (params + adapters) * compute_bytes + trained * 4, "grads": trained * compute_bytes}
     else:
@@ -189,11 +193,12 @@ def plan_memory(cfg) -> Plan:
         notes |= {"params": f"{params / 1e9:.3f}B elements x (2 B bf16 + 4 B fp32 master in the optimizer)",
                   "grads": "x 2 B (bf16)", "optimizer": "AdamW: 2 moments x 4 B", "gathered": "one rank: no FSDP"}
     if cfg.lora.rank > 0:
+        whose = "the adapters' only" + (f" and {saved / 1e6:.2f}M of lora.modules_to_save" if saved else "")
         notes |= {"params": f"{params / 1e9:.3f}B frozen base elements x {compute_bytes if master else state_bytes} B "
                             f"+ {adapters / 1e6:.2f}M LoRA adapter elements (rank {cfg.lora.rank}) x "
                             f"{compute_bytes + 4 if master else state_bytes} B",
-                  "grads": f"the adapters' only, x {compute_bytes if master else state_bytes} B",
-                  "optimizer": f"AdamW: 2 moments x {4 if master else state_bytes} B, the adapters' only"}
+                  "grads": f"{whose}, x {compute_bytes if master else state_bytes} B",
+                  "optimizer": f"AdamW: 2 moments x {4 if master else state_bytes} B, {whose}"}
         if not master:
             notes["gathered"] = f"{compute_bytes} B x (root {root / 1e6:.0f}M + 2 layers {sum(layers) / 1e6:.0f}M)"
     world = derived(cfg)["world_size"]

@@ -88,8 +88,9 @@ def untied(state: dict) -> dict:
 
 def _payload(model, optimizer, mesh) -> tuple[dict, dict]:
     model_sd = untied(get_model_state_dict(model))
-    if lora.active(model):  # the frozen base is the model directory's: a checkpoint holds the adapters
-        model_sd = {k: t for k, t in model_sd.items() if lora.is_adapter(k)}
+    if lora.active(model):  # the frozen base is the model directory's: a checkpoint holds what LoRA trains
+        trained = lora.trained_names(model)
+        model_sd = {k: t for k, t in model_sd.items() if k in trained}
     optim_sd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=False))
     if isinstance(optimizer, MasterAdamW):  # the fp32 masters are the weights on disk, as with FSDP2's fp32 params
         params = dict(model.named_parameters(remove_duplicate=False))

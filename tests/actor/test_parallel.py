@@ -3,8 +3,8 @@
 The batch is 4 packed rows (one segment per row) and train.micro_batch_rows=1, so the 1-rank reference is
 dp=1 x ga=4, the dp2 layouts are dp=2 x ga=2 and dp4 is dp=4 x ga=1: matching gradients across them is the
 global token-mean property. A 3-row batch on 4 data shards exercises the padding micro-batch. The LoRA layouts
-(lora.rank > 0: adapters on the attention, the base frozen) reproduce 1-rank LoRA the same way, and only adapters
-have gradients.
+(lora.rank > 0: adapters on the attention, the head and final norm trained in full, the rest of the base frozen)
+reproduce 1-rank LoRA the same way, and only those have gradients.
 """
 from __future__ import annotations
 
@@ -78,7 +78,8 @@ def reference(models):
     return get
 
 
-LORA = LoraConfig(rank=4, alpha=8.0, seed=3)
+SAVED = ("lm_head.weight", "model.norm.weight")  # LORA trains them in full beside the adapters
+LORA = LoraConfig(rank=4, alpha=8.0, seed=3, modules_to_save=["lm_head", "model.norm"])
 LAYOUTS = [  # (model, dp, ep, cp, offload, rows, lora)
     ("tiny", 2, 1, 1, "none", 4, None),  # dp=2 x ga=2
     ("tiny", 4, 1, 1, "none", 4, None),  # dp=4 x ga=1
@@ -103,7 +104,8 @@ def test_layout_reproduces_one_rank(models, reference, tmp_path, name, dp, ep, c
     for key in ("loss/policy", "grad_norm", "tokens/loss", "entropy/mean", "mismatch/logprob_abs_max"):
         assert got["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-5, abs=1e-7), key
     assert got["grads"].keys() == ref["grads"].keys()
-    assert lora is None or ref["grads"] and all(".lora_" in n for n in ref["grads"])  # LoRA: the base stays frozen
+    if lora is not None:  # LoRA: the base stays frozen but for modules_to_save
+        assert {n for n in ref["grads"] if ".lora_" not in n} == set(SAVED)
     for n, g in ref["grads"].items():
         torch.testing.assert_close(got["grads"][n], g, rtol=1e-4, atol=1e-7, msg=lambda m: f"grad {n}: {m}")
     assert got["weights"].keys() == ref["weights"].keys()

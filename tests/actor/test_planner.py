@@ -42,7 +42,7 @@ def ep256():
 
 
 def test_671b_at_ep256_is_planned_in_under_a_minute(ep256):
-    cfg, (total, routed, local, local_expert, units, _), plan, seconds = ep256
+    cfg, (total, routed, local, local_expert, units, *_), plan, seconds = ep256
     assert seconds < 60
     assert routed == ROUTED and 665e9 < total < 675e9  # the published ~671B (MTP layer excluded)
     world = 2 * 256
@@ -124,7 +124,7 @@ def test_lora_plans_the_frozen_base_and_the_adapters_state():
     everything in bf16, fp32 masters of the adapters; 16 ranks: fp32 shards of the base and the adapters."""
     cfg = run_config("qwen3_30b_a3b", gpus=1, activation_checkpointing=True)
     cfg.lora.rank = 16  # q, k, v, o: the attention of an MoE model
-    total, _, local, _, _, adapters = read_shards(cfg)
+    total, _, local, _, _, adapters, _ = read_shards(cfg)
     assert math.isclose(total, 30.53e9, rel_tol=1e-3)  # the base alone
     assert adapters == 48 * 16 * ((2048 + 4096) + 2 * (2048 + 512) + (4096 + 2048))  # r x (in + out) per target
     plan = plan_memory(cfg)
@@ -132,9 +132,12 @@ def test_lora_plans_the_frozen_base_and_the_adapters_state():
     assert plan.gpu["optimizer"] == 8 * adapters and plan.gpu["gathered"] == 0
     assert plan.fits  # full fine-tuning does not fit this GPU (above): 16 B per element against 2 B + the adapters
     assert "LoRA adapter elements (rank 16)" in format_plan(plan, cfg)
+    cfg.lora.modules_to_save = ["lm_head"]  # trained in full: its grads and moments join the adapters'
+    saved = read_shards(cfg)[6]
+    assert saved == 151936 * 2048 and plan_memory(cfg).gpu["grads"] == 2 * (adapters + saved)
     cfg = run_config("qwen3_30b_a3b", dp=2, ep=4, cp=2, nodes=2, activation_checkpointing=True)
     cfg.lora.rank = 16
-    _, _, local, _, _, adapters = read_shards(cfg)
+    _, _, local, _, _, adapters, _ = read_shards(cfg)
     plan = plan_memory(cfg)
     assert plan.gpu["params"] == 4 * (local + adapters) and plan.gpu["grads"] == 4 * adapters
     assert plan.gpu["optimizer"] == 8 * adapters and 13_369_344 / 16 <= adapters <= 1.01 * 13_369_344 / 16

@@ -55,6 +55,30 @@ def test_merged_sync_sends_the_adapted_weights_only(engine, trained, tmp_path):
     assert sent < full / 2
 
 
+@pytest.mark.usefixtures("restores_weights")
+def test_merged_sync_carries_the_modules_trained_in_full(engine, tiny_dir, tmp_path):
+    """lora.modules_to_save: the head and the final norm train in full beside the adapters and travel with them."""
+    actor = Actor(tiny_dir, TrainConfig(row_tokens=16, lr=5e-2),
+                  lora_cfg=LoraConfig(rank=4, target_modules=["o_proj"], modules_to_save=["lm_head", "model.norm"]))
+    head = actor.model.lm_head.weight.detach().clone()
+    actor.train_step(*segments(4))
+    assert (actor.model.lm_head.weight - head).abs().max() > 1e-3  # trained
+    weights = actor.export_weights()
+    assert sorted(weights) == sorted(["lm_head.weight", "model.norm.weight",
+                                      *(f"model.layers.{i}.self_attn.o_proj.weight" for i in (0, 1))])
+    expected = actor.logprobs([probe_segment()])[0][1:]
+
+    async def main():
+        c = engine.client()
+        try:
+            await sync_weights([c], weights, 1, tmp_path)
+            return await verify_sync(c, PROBE, expected, tol=1e-4)
+        finally:
+            await c.aclose()
+
+    assert run(main()) <= 1e-4
+
+
 @pytest.fixture(scope="module")
 def adapter_engine(tiny_dir, trained, tmp_path_factory):
     """An engine serving the tiny base with --enable-lora (engine.sync=adapter), and beside the policy the adapter of a
