@@ -152,7 +152,7 @@ def sampler_check(model_dir: Path, requests: int) -> str:
 def molt_run(seed: int, steps: int, out: Path, extra: list[str] = (), keys: tuple[str, ...] = ()) -> dict:
     """`python -m molt` on the quickstart, on-policy with seeded sampling (`extra` overrides); its reward and step
     time per step, and the history of each metric of `keys`."""
-    run = out / (f"molt_seed{seed}" + "".join(f"_{re.sub(r'[^\w.-]+', '-', x)}" for x in extra))  # Hydra-safe
+    run = out / (f"molt_seed{seed}" + "".join("_" + re.sub(r"[^\w.-]+", "-", x) for x in extra))  # Hydra-safe
     cmd = [sys.executable, "-m", "molt", "experiment=quickstart", "rollout.max_lag=0", f"rollout.seed={seed}",
            "eval.every=0", "view.every=0", f"train.steps={steps}", f"hydra.run.dir={run}",
            f"checkpoint_dir={run / 'ckpt'}", *extra]
