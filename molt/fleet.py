@@ -1,8 +1,14 @@
 """The run's engines as the loop drives them: verified weight sync, and replacement of engines that die.
 
-    fleet = Fleet(servers, cfg, actor, aio)     # servers: from launch_engines
+    fleet = Fleet(servers, cfg, actor)          # servers: from launch_engines; its requests run on its own thread
     probe = fleet.sync(version, probe_segment)  # the actor's weights into every engine, checked on one
+    last = fleet.sync(version, probe_segment, then=grant, wait=False)  # overlapped: taken now, delivered meanwhile
     fleet.check()                               # restart engines that died (polled while the loop waits)
+
+An overlapped sync (rollout.max_lag >= 1, engine.sync reload or adapter) takes the weights and the probe's expected
+log-probs in the caller's thread, then pauses, updates, verifies and resumes the engines on the fleet's thread while
+the caller goes on training; `then` runs once every engine serves the version, and the next sync (or settle())
+waits for it and returns its probe. It keeps the last weights it sent (a restarted engine gets them) until the next.
 
 An engine dies when its process exits or the rollout worker sees it fail (a refused or reset connection, a 5xx,
 a timeout: EngineDied; the worker reports it on `fleet.reports`). It is restarted from config on its own socket
@@ -15,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
 import time
 from collections import deque
 from queue import Empty
@@ -31,10 +38,12 @@ log = logging.getLogger(__name__)
 
 
 class Fleet:
-    def __init__(self, servers, cfg, actor, aio: asyncio.AbstractEventLoop):
+    def __init__(self, servers, cfg, actor):
         self.servers = {s.name: s for s in servers}
+        self.cfg, self.actor = cfg, actor
+        self.aio = asyncio.new_event_loop()  # the engines' requests: on this thread, so a sync can overlap training
+        threading.Thread(target=self.aio.run_forever, name="molt-fleet", daemon=True).start()
         self.clients = {s.name: s.client() for s in servers}
-        self.cfg, self.actor, self.aio = cfg, actor, aio
         self.version, self.probe = 0, Segment()
         self.probe.append(list(range(1, 17)))  # until a step gives a real one: any ids score the weights
         self.epoch = dict.fromkeys(self.servers, 0)  # incarnation of each engine
@@ -44,20 +53,58 @@ class Fleet:
         self.reports = Queue()  # (name, incarnation) of an engine the worker saw fail
         self.worker = None  # the rollout worker, told when an engine is back
         self.joined = False  # engine.sync=nccl: the actor and the engines form the weight-transfer group
+        self.sent = None  # self.version's weights and expected probe log-probs while the actor may have moved on
+        self.pending = None  # (future, then) of the sync in flight
+        self.probed = None  # the probe of the last sync settled, until sync() hands it out
 
-    def sync(self, version: int, probe: Segment | None = None) -> float:
+    def call(self, coro):
+        """Run a coroutine on the fleet's thread and wait for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self.aio).result()
+
+    def sync(self, version: int, probe: Segment | None = None, then=None, wait: bool = True) -> float | None:
         """Weights `version` into every engine, then the max |engine - actor| log-prob on `probe` (a segment,
-        images included) on one of them; an engine that dies meanwhile is replaced, and synced, instead."""
+        images included) on one of them; `then()` once they serve it. An engine that dies meanwhile is replaced, and
+        synced, instead. wait=False overlaps the engines' part with what the caller does next (NCCL syncs are
+        collectives on the actor: they always wait) and returns the previous sync's probe (None if none is left)."""
+        self.settle()
+        last, self.probed = self.probed, None
         self.version, self.probe = version, probe or self.probe
-        while True:
-            self.check()
-            try:
-                return self.aio.run_until_complete(self._push(list(self.clients.values())))
-            except EngineDied as e:
-                self.restart(e.name, e.detail)
+        self.sent = self.take()
+        self.pending = asyncio.run_coroutine_threadsafe(
+            self._push(list(self.clients.values()), self.sent, then), self.aio), then
+        if not wait and self.cfg.engine.sync != "nccl":
+            return last
+        self.settle()
+        probed, self.probed, self.sent = self.probed, None, None  # the actor holds these weights until it trains
+        return probed
 
-    async def _push(self, clients) -> float:
-        e = self.cfg.engine
+    def settle(self) -> float | None:
+        """Wait for the sync in flight, if any (its probe: self.probed); an engine that died meanwhile is replaced
+        and the sync delivered again."""
+        if self.pending is not None:
+            (done, then), self.pending = self.pending, None
+            while True:
+                try:
+                    self.probed = done.result()
+                    break
+                except EngineDied as e:
+                    self.restart(e.name, e.detail)
+                    done = asyncio.run_coroutine_threadsafe(
+                        self._push(list(self.clients.values()), self.sent, then), self.aio)
+        return self.probed
+
+    def take(self) -> tuple:
+        """The actor's weights for self.version as the sync path sends them, and the probe's expected log-probs
+        (in the caller's thread: with actor ranks these are collectives)."""
+        e, weights = self.cfg.engine, None
+        if e.sync == "adapter":  # at version 0 too: the engine serves the policy once its adapter is loaded
+            weights = self.actor.export_adapters()
+        elif self.version and e.sync != "nccl":  # a fresh engine serves version 0, the model directory's weights
+            weights = self.actor.export_weights()
+        return weights, self.actor.logprobs([self.probe], self.cfg.rollout.temperature)[0][1:]
+
+    async def _push(self, clients, sent: tuple, then=None) -> float:
+        e, (weights, expected) = self.cfg.engine, sent
         if self.version and e.sync == "nccl":  # every engine at once, over the group (formed again after a restart)
             from molt.sync import nccl  # imports vLLM (seconds): only on this path
             if not self.joined:
@@ -67,28 +114,34 @@ class Fleet:
                 self.joined = True
             send = functools.partial(self.actor.apply, nccl.send)  # on every actor rank
             await nccl.sync_nccl(list(self.clients.values()), send, self.version, e.pause_mode)
-        elif e.sync == "adapter":  # at version 0 too: the engine serves the policy once its adapter is loaded
-            await sync_adapter(clients, self.actor.export_adapters(), self.cfg.lora, self.cfg.model.path, self.version,
-                               e.sync_dir, e.pause_mode)
-        elif self.version:  # a fresh engine serves version 0, the model directory's weights
-            await sync_weights(clients, self.actor.export_weights(), self.version, e.sync_dir, e.pause_mode)
-        expected = self.actor.logprobs([self.probe], self.cfg.rollout.temperature)[0][1:]
+        elif e.sync == "adapter":
+            await sync_adapter(clients, weights, self.cfg.lora, self.cfg.model.path, self.version, e.sync_dir,
+                               e.pause_mode)
+        elif weights is not None:
+            await sync_weights(clients, weights, self.version, e.sync_dir, e.pause_mode)
         features = await engine_features(clients[0], self.probe.images)  # an image prompt probes the vision tower
-        return await verify_sync(clients[0], self.probe.token_ids, expected, tol=self.cfg.engine.probe_tol, **features)
+        diff = await verify_sync(clients[0], self.probe.token_ids, expected, tol=self.cfg.engine.probe_tol, **features)
+        if then is not None:
+            then()
+        return diff
 
     def check(self) -> None:
         """Restart every engine whose process exited, and every engine the worker reported, unless that incarnation
-        was replaced already."""
-        for name, server in self.servers.items():
-            if not server.alive():
-                self.restart(name, f"the engine process exited (code {server.exit_code()})")
+        was replaced already (a sync in flight settles first: it may be the one that replaces it)."""
+        dead = {name: (self.epoch[name], f"the engine process exited (code {server.exit_code()})")
+                for name, server in self.servers.items() if not server.alive()}
         while True:
             try:
                 name, epoch = self.reports.get_nowait()
             except Empty:
-                return
+                break
             if epoch == self.epoch[name]:
-                self.restart(name, "a request to it failed (see the engine log)")
+                dead.setdefault(name, (epoch, "a request to it failed (see the engine log)"))
+        if dead:
+            self.settle()
+        for name, (epoch, why) in dead.items():
+            if epoch == self.epoch[name]:
+                self.restart(name, why)
 
     def restart(self, name: str, why: str) -> None:
         e = self.cfg.engine
@@ -111,9 +164,9 @@ class Fleet:
         self.servers[name].restart()
         self.epoch[name] += 1
         client = self.clients[name]
-        self.aio.run_until_complete(client.aclose())  # pooled connections belong to the dead server
+        self.call(client.aclose())  # pooled connections belong to the dead server
         try:
-            self.aio.run_until_complete(self._push([client]))
+            self.call(self._push([client], self.sent or self.take()))
         except EngineDied as again:
             return self.restart(name, again.detail)
         if self.worker is not None:
@@ -125,7 +178,7 @@ class Fleet:
         their Prometheus counters ({} when nothing was looked up)."""
         hits = queries = 0.0
         for name, client in self.clients.items():
-            h, q = self.aio.run_until_complete(_cache_counters(client))
+            h, q = self.call(_cache_counters(client))
             h0, q0 = self.cache.get(name, (0.0, 0.0))
             if h < h0 or q < q0:  # a restarted engine counts from 0 again
                 h0 = q0 = 0.0
@@ -139,8 +192,10 @@ class Fleet:
         return ray.get(ref)
 
     def close(self) -> None:
+        self.settle()
         for c in self.clients.values():
-            self.aio.run_until_complete(c.aclose())
+            self.call(c.aclose())
+        self.aio.call_soon_threadsafe(self.aio.stop)
         drop_adapters(self.cfg.engine.sync_dir)  # engine.sync=adapter keeps the served version's folder until now
 
 

@@ -9,8 +9,8 @@ by `rollout.max_lag`.
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -71,7 +71,7 @@ def run(cfg) -> None:
 
 def train(cfg, model_dir: Path, engines, stop: threading.Event) -> None:
     actor = make_actor(cfg, model_dir)  # while the engines start (their start is mostly one core importing vLLM)
-    fleet = Fleet(engines, cfg, actor, asyncio.new_event_loop())  # syncs engines, replaces those that die
+    fleet = Fleet(engines, cfg, actor)  # syncs engines, replaces those that die
     version, position = restore(cfg, actor)
     queue, popper = Queue(), Popper()
     fleet.worker = worker = RolloutWorker.options(**net.on_task(0)).remote(  # its process starts meanwhile too
@@ -90,14 +90,15 @@ def train(cfg, model_dir: Path, engines, stop: threading.Event) -> None:
             raise Interrupted(step, save(cfg, step, actor, position, model_dir) if step else None, cfg.checkpoint_dir)
         position += counts["groups"]
         prep, metrics = learn(cfg, actor, groups, step, clock)
-        with clock("sync"):
-            probe = fleet.sync(version + 1, prep.segments[0])
-        version += 1
-        worker.grant.remote(len(groups))  # after the sync: the next groups start on the new weights
-        metrics |= {"sync/probe_abs_max": probe} | maybe_eval(cfg, worker, fleet, step)
+        with clock("sync"):  # max_lag >= 1: overlapped with the next step (its probe is reported with the next)
+            probe = fleet.sync(version + 1, prep.segments[0], wait=cfg.rollout.max_lag == 0,
+                               then=functools.partial(worker.grant.remote, len(groups)))  # the next groups start
+        version += 1                                                                      # on the new weights
+        metrics |= ({} if probe is None else {"sync/probe_abs_max": probe}) | maybe_eval(cfg, worker, fleet, step)
         metrics |= {"engine/restarts": fleet.total} | fleet.cache_metrics()
         report(cfg, bar, step, version, metrics, prep, groups, failed, counts, clock, actor, model_dir)
         maybe_save(cfg, actor, position, step, model_dir)  # after the log: a kill in between repeats a step, never loses one
+    fleet.settle()
     ray.get(worker.stop.remote(), timeout=60)  # its tasks cancelled: ray.kill is asynchronous, and an actor that Ray's
     ray.kill(worker)  # shutdown ends first reports every task it left pending as destroyed
     fleet.close()
@@ -398,6 +399,7 @@ def maybe_eval(cfg, worker, fleet: Fleet, step: int) -> dict:
     if not cfg.eval.every or (step % cfg.eval.every and not last):
         return {}
     t0 = time.time()
+    fleet.settle()  # the engines serve the weights just trained
     out = fleet.wait(worker.evaluate.remote(cfg.task.eval_path, cfg.eval.max_samples, cfg.eval.temperature))
     return out | {"time/eval": time.time() - t0}
 
