@@ -246,8 +246,6 @@ def lora_combinations(cfg, hf):
                "estimator=opd with a teacher other than the base": (
                    e.name == "opd" and str(Path(e.teacher_path).resolve()) != str(Path(cfg.model.path).resolve()),
                    "a LoRA run holds one base model, its own; distil from a teacher with full fine-tuning (lora.rank=0)"),
-               "engine.sync=nccl": (cfg.engine.sync == "nccl", "the NCCL path sends the full state dict; use "
-                                    "engine.sync=reload (merged adapted weights) or engine.sync=adapter"),
                "a vision-language model": ("vision_config" in hf, "the vision tower's modules are not LoRA targets "
                                            "and vLLM's LoRA on multimodal models is untested here"),
                "lora.modules_to_save and engine.sync=adapter": (

@@ -142,8 +142,6 @@ CASES = [
     ("lora_combinations", ["lora.rank=4", "model=tiny_moe", "train.routing_replay=true",
                            "engine.return_routed_experts=true", "cluster.gpus_per_node=1"],
      "with train.routing_replay=true is refused"),
-    ("lora_combinations", ["lora.rank=4", "engine.sync=nccl", "cluster.gpus_per_node=1"],
-     "with engine.sync=nccl is refused"),
     ("lora_combinations", ["lora.rank=4", "model=tiny_vl"], "with a vision-language model is refused"),
     ("lora_targets", ["lora.rank=4", "lora.target_modules=[q_proj,qkv]"],
      "['qkv'] name no module of the model; its decoder's linear layers are ['down_proj', 'gate_proj', 'k_proj', 'o_proj',"),
@@ -187,7 +185,8 @@ def test_guard_fires(base, name, overrides, fragment):
                                        ["train.replay_rollouts=${assets_dir}/dump"],
                                        ["lora.rank=8", "train.kl_coef=0.1", "engine.sync=adapter", "fsdp.dp_size=2"],
                                        ["lora.rank=4", "model=tiny_moe", "fsdp.ep_size=2"], [*OPD, "lora.rank=4"],
-                                       ["lora.rank=4", "lora.modules_to_save=[lm_head,model.norm]"]])
+                                       ["lora.rank=4", "lora.modules_to_save=[lm_head,model.norm]"],
+                                       ["lora.rank=4", "engine.sync=nccl", "cluster.gpus_per_node=1"]])
 def test_valid_runs_pass(base, overrides):
     assert guards.check(compose(*base, *overrides)) is None
 

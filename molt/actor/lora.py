@@ -82,7 +82,8 @@ def problem(model, cfg) -> str | None:
     if unknown:
         return f"lora.modules_to_save: {unknown} name no module of the model; outside its layers it has {tops}"
     both = sorted(n for n in full if any(n == t or n.startswith(t + ".") or t.startswith(n + ".") for t in found))
-    tied = getattr(model.config, "tie_word_embeddings", False) and [n for n in full if n.endswith(("lm_head", "embed_tokens"))]
+    tied = getattr(model.config, "tie_word_embeddings", False) and [
+        n for n in full if n.endswith(("lm_head", "embed_tokens"))]
     if both or tied:
         return (f"lora.modules_to_save: {both or tied} " + ("overlap lora.target_modules: a module is adapted or "
                 "trained in full, not both" if both else "are tied (tie_word_embeddings): training the head trains "
@@ -174,11 +175,11 @@ def sync_names(model) -> set[str]:
     for name in adapted:
         parent, _, leaf = name.rpartition(".")
         need |= {f"{parent}.{s}" for group in FUSED if leaf in group for s in group}
-    return {k for k in model.state_dict() if _module(k) in need and (is_adapter(k) or k.endswith(".weight"))} | {
+    return {k for k in model.state_dict() if module_of(k) in need and (is_adapter(k) or k.endswith(".weight"))} | {
         k for k in trained_names(model) if not is_adapter(k)}
 
 
-def _module(key: str) -> str:
+def module_of(key: str) -> str:
     """The module a state-dict key belongs to, a LoRA layer's adapters and base weight included."""
     return key.split(".lora_")[0] if is_adapter(key) else key.rpartition(".")[0].removesuffix(".base_layer")
 
@@ -189,7 +190,7 @@ def merged(model, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for key, w in full.items():
         if is_adapter(key):
             continue
-        module, name = _module(key), key.replace(".base_layer.", ".")
+        module, name = module_of(key), key.replace(".base_layer.", ".")
         if f"{module}.lora_A.{ADAPTER}.weight" in full:
             a, b = full[f"{module}.lora_A.{ADAPTER}.weight"], full[f"{module}.lora_B.{ADAPTER}.weight"]
             w = w + model.get_submodule(module).scaling[ADAPTER] * (b @ a)

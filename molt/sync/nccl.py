@@ -35,6 +35,7 @@ import torch
 from transformers.core_model_loading import revert_weight_conversion
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
+from molt.actor import lora
 from molt.actor.parallel import full_tensors
 from molt.rollout.engine import EngineClient
 from molt.sync.reload import paused
@@ -60,14 +61,23 @@ def _global_shapes(model) -> dict[str, torch.Size]:
 
 
 class Buckets(WeightSource):
-    """The policy's weights for the engines, gathered bucket by bucket (every actor rank iterates: collectives)."""
+    """The policy's weights for the engines, gathered bucket by bucket (every actor rank iterates: collectives).
+    With LoRA: what the merged reload sends (lora.sync_names), each adapted layer's base weight and adapters in one
+    bucket, gathered in fp32, merged there (W + alpha/r B A) and cast."""
 
     def __init__(self, model, bucket_bytes: int, dtype: torch.dtype = torch.bfloat16, device="cpu"):
-        self.model, self.dtype, self.device = model, dtype, device
+        self.model, self.dtype, self.device, self.lora = model, dtype, device, lora.active(model)
         self.shapes = _global_shapes(model)
-        self.buckets = buckets({k: s.numel() * dtype.itemsize for k, s in self.shapes.items()}, bucket_bytes)
+        wanted = lora.sync_names(model) if self.lora else self.shapes
+        units: dict[str, list[str]] = {}  # packed whole: a LoRA layer's base weight and its adapters
+        for k in (k for k in self.shapes if k in wanted):
+            units.setdefault(lora.module_of(k) if self.lora else k, []).append(k)
+        sizes = {u: sum(self.shapes[k].numel() for k in ks) * dtype.itemsize for u, ks in units.items()}
+        self.buckets = [[k for u in b for k in units[u]] for b in buckets(sizes, bucket_bytes)]
 
     def _hf(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.lora:
+            return {k: t.to(self.dtype) for k, t in lora.merged(self.model, tensors).items()}
         return revert_weight_conversion(self.model, tensors)  # fused experts -> the checkpoint's per-expert names
 
     def metadata(self) -> list[ParamMeta]:
@@ -86,7 +96,8 @@ class Buckets(WeightSource):
 
     def __iter__(self):
         for bucket in self.buckets:
-            full = full_tensors(self.model, only=set(bucket), dtype=self.dtype, device=self.device)
+            full = full_tensors(self.model, only=set(bucket), dtype=torch.float32 if self.lora else self.dtype,
+                                device=self.device)
             hf = self._hf(self._with_head(full))
             del full
             gc.collect()  # the conversion leaves reference cycles that would keep the gathered tensors alive

@@ -17,9 +17,10 @@ from vllm.distributed.weight_transfer.packed_tensor import pack_tensors, unpack_
 from molt.actor.actor import Actor
 from molt.actor.group import init_distributed, rank_actor
 from molt.assets import ensure_model
-from molt.config import FsdpConfig, TrainConfig
+from molt.config import FsdpConfig, LoraConfig, TrainConfig
 from molt.net import free_port
 from molt.sync.nccl import Buckets, Engines, buckets, connect, sync_nccl
+from tests.actor.test_parallel import segments
 from tests.rollout.conftest import engine_cfg
 
 BUCKET = 32 * 1024  # bytes: tiny_moe is ~1.2 MB in bf16, so ~40 buckets
@@ -49,6 +50,23 @@ def test_source_matches_its_metadata_and_the_engine_weights(moe_dir):
         got |= dict(unpack_tensor(chunk.packed_tensor, chunk.names, chunk.shapes, chunk.dtypes, chunk.tensor_sizes))
     for name, t in want.items():
         torch.testing.assert_close(got[name], t, rtol=0, atol=0, msg=name)
+
+
+def test_lora_source_sends_the_merged_weights_of_the_reload(moe_dir):
+    """LoRA over NCCL: the tensors of the merged reload (adapted attention of the MoE model, k beside q and v, the
+    head trained in full), each adapted layer merged in its bucket in fp32 and cast: bit for bit the reload's,
+    cast."""
+    actor = Actor(moe_dir, TrainConfig(row_tokens=16, lr=5e-2), lora_cfg=LoraConfig(
+        rank=4, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"]))
+    actor.train_step(*segments(4))
+    source = Buckets(actor.model, 16 * 1024)
+    pairs = list(source)
+    assert [(m.name, m.dtype, m.shape) for m in source.metadata()] == [(n, t.dtype, tuple(t.shape)) for n, t in pairs]
+    want = {k: v.to(torch.bfloat16) for k, v in actor.export_weights().items()}
+    assert len(source.buckets) > 2 and dict(pairs).keys() == want.keys() and "lm_head.weight" in want
+    assert all(f"{k.split('.lora_')[0]}.base_layer.weight" in b for b in source.buckets for k in b if ".lora_" in k)
+    for name, t in pairs:
+        torch.testing.assert_close(t, want[name], rtol=0, atol=0, msg=name)
 
 
 def _storages() -> dict[int, int]:
