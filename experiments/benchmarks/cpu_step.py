@@ -209,9 +209,11 @@ def e2e_run(args, extra: list[str]) -> dict[str, list[float]]:
                 for k in KEYS + MISMATCH}
 
 
-def peer_run(steps: int) -> list[float]:
-    """The peer: TRL's GRPOTrainer on the same model, prompts and settings (8 prompts x 8 samples, up to 128 new
-    tokens, temperature 1, lr 1e-6, no KL, clip 1, fp32 on the CPU, HF generate); the wall time of each step."""
+def peer_run(steps: int, model_dir: Path | None = None, rows: list[dict] | None = None, reward=None,
+             max_new: int = 128, lr: float = 1e-6) -> list[float]:
+    """The peer: TRL's GRPOTrainer on the same model, prompts and settings (8 prompts x 8 samples, up to `max_new`
+    new tokens, temperature 1, lr `lr`, no KL, clip 1, fp32 on the CPU, HF generate); the wall time of each step.
+    Defaults: this workload (SmolLM2-135M); step_cost.py passes the quickstart's model, rows and reward."""
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -228,18 +230,18 @@ def peer_run(steps: int) -> list[float]:
         def on_step_end(self, *a, **kw):
             self.times.append(time.time() - self.t0)
 
-    def reward(completions, n, **kw):
+    def counted(completions, n, **kw):
         return [float(str(x) in c[-1]["content"]) for c, x in zip(completions, n)]
 
-    rows = [{"prompt": r["messages"], "n": r["n"]} for r in task_rows()]
+    rows = rows or [{"prompt": r["messages"], "n": r["n"]} for r in task_rows()]
     clock = Clock()
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = GRPOConfig(output_dir=tmp, per_device_train_batch_size=64, num_generations=8, max_completion_length=128,
-                         temperature=1.0, learning_rate=1e-6, beta=0.0, max_grad_norm=1.0, weight_decay=0.0,
+        cfg = GRPOConfig(output_dir=tmp, per_device_train_batch_size=64, num_generations=8, max_completion_length=max_new,
+                         temperature=1.0, learning_rate=lr, beta=0.0, max_grad_norm=1.0, weight_decay=0.0,
                          lr_scheduler_type="constant", max_steps=steps, logging_steps=1, use_cpu=True, bf16=False,
                          report_to=[], save_strategy="no", seed=0, remove_unused_columns=False)
-        model = str(ensure_model(REPO / "assets/smollm2_135m", "smollm2_135m"))
-        GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=Dataset.from_list(rows),
+        model = str(model_dir or ensure_model(REPO / "assets/smollm2_135m", "smollm2_135m"))
+        GRPOTrainer(model=model, reward_funcs=reward or counted, args=cfg, train_dataset=Dataset.from_list(rows),
                     callbacks=[clock]).train()
     return clock.times
 

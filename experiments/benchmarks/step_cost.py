@@ -3,6 +3,7 @@
     python experiments/benchmarks/step_cost.py                  # both parts
     python experiments/benchmarks/step_cost.py --part pieces    # one engine, one actor, no loop
     python experiments/benchmarks/step_cost.py --part loop --steps 60
+    python experiments/benchmarks/step_cost.py --part loop --steps 60 --peer   # and TRL's GRPOTrainer (issue 26's peer)
 
 The quickstart's workload: assets/tiny, 8 prompts x 8 samples, at most 4 new tokens, one torch thread.
 
@@ -20,7 +21,9 @@ pieces (median of --reps repetitions after 3 warm-ups, each piece as the loop ru
 loop: `molt experiment=quickstart rollout.seed=0 eval.every=0 view.every=0` with rollout.max_lag=0 (synchronous) and 1
 (asynchronous), and parity.py's reference loop (HF generate + the reference step, one process), --steps each, one
 after the other; per run the median over steps 5.. of the wall time per step (Molt: between two steps' metrics, from
-their MLflow timestamps, logging and checkpoints included) and of Molt's phases.
+their MLflow timestamps, logging and checkpoints included) and of Molt's phases. --peer: then TRL's GRPOTrainer on
+the same model, prompts (in TRL's order), reward and settings (experiments/benchmarks/cpu_step.py peer_run), the median
+of its steps 5.. (TRL's own step callbacks).
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
@@ -203,8 +207,24 @@ def pieces(reps: int) -> None:
         print(f"  {name:44s} {v:11.1f}")
 
 
-def loop(steps: int, out: Path) -> None:
-    """Molt synchronous, Molt asynchronous, the reference loop: median s/step and Molt's phases."""
+def peer_quickstart(steps: int, model_dir: Path) -> list[float]:
+    """TRL's GRPOTrainer on the quickstart (its model, prompts, reward and settings: 8 x 8, 4 new tokens, lr 2e-3,
+    clip 1, no KL, fp32, one thread); the wall time of each step."""
+    from experiments.benchmarks.cpu_step import peer_run
+    from experiments.quickstart import task
+    from molt.data import load_jsonl
+
+    def reward(completions, answer, **kw):
+        return [task.reward(c[-1]["content"], a) for c, a in zip(completions, answer)]
+
+    rows = [{"prompt": r["messages"], "answer": r["answer"]}
+            for r in load_jsonl(REPO / "experiments/quickstart/data/train.jsonl")]
+    return peer_run(steps, model_dir, rows, reward, max_new=parity.SETTINGS["max_new_tokens"], lr=parity.SETTINGS["lr"])
+
+
+def loop(steps: int, out: Path, peer: bool = False) -> None:
+    """Molt synchronous, Molt asynchronous, the reference loop (and with `peer`, TRL's GRPOTrainer): median s/step and
+    Molt's phases."""
     from molt.assets import ensure_model
 
     model_dir = ensure_model(REPO / "assets/tiny", "tiny")
@@ -213,6 +233,8 @@ def loop(steps: int, out: Path) -> None:
         res = parity.molt_run(0, steps, out, extra=[f"rollout.max_lag={lag}"], keys=PHASES)
         rows.append((f"molt, max_lag={lag}", res))
     rows.append(("reference loop", parity.reference_run(0, steps, model_dir)))
+    if peer:
+        rows.append((f"peer (TRL {version('trl')})", {"step_s": peer_quickstart(steps, model_dir)}))
     print(f"\nquickstart, {steps} steps each, medians over steps 5..{steps - 1}")
     print(f"  {'':20s} {'s/step':>8s} " + " ".join(f"{k.removeprefix('time/'):>9s}" for k in PHASES))
     for name, res in rows:
@@ -229,12 +251,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30, help="pieces: repetitions of each")
     ap.add_argument("--steps", type=int, default=60, help="loop: steps of each run")
     ap.add_argument("--out", default=str(REPO / "outputs/step_cost"), help="loop: where the molt runs go")
+    ap.add_argument("--peer", action="store_true", help="loop: TRL's GRPOTrainer on the quickstart too")
     a = ap.parse_args()
     torch.set_num_threads(1)
     if a.part in ("both", "pieces"):
         pieces(a.reps)
     if a.part in ("both", "loop"):
-        loop(a.steps, Path(a.out))
+        loop(a.steps, Path(a.out), a.peer)
 
 
 if __name__ == "__main__":
