@@ -91,9 +91,10 @@ def train(cfg, model_dir: Path, engines, stop: threading.Event) -> None:
         position += counts["groups"]
         prep, metrics = learn(cfg, actor, groups, step, clock)
         with clock("sync"):  # max_lag >= 1: overlapped with the next step (its probe is reported with the next)
+            last = step + 1 == cfg.train.steps  # no credits after it: nothing starts only to be cancelled
             probe = fleet.sync(version + 1, prep.segments[0], wait=cfg.rollout.max_lag == 0,
-                               then=functools.partial(worker.grant.remote, len(groups)))  # the next groups start
-        version += 1                                                                      # on the new weights
+                               then=None if last else functools.partial(worker.grant.remote, len(groups)))
+        version += 1  # the next groups start on the new weights: the credits go back once the engines serve them
         metrics |= ({} if probe is None else {"sync/probe_abs_max": probe}) | maybe_eval(cfg, worker, fleet, step)
         metrics |= {"engine/restarts": fleet.total} | fleet.cache_metrics()
         report(cfg, bar, step, version, metrics, prep, groups, failed, counts, clock, actor, model_dir)

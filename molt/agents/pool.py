@@ -25,6 +25,8 @@ from molt.rollout.engine import EngineClient
 from molt.rollout.router import Router
 from molt.types import EngineDied
 
+STOP_S = 30.0  # stop(): how long the cancelled tasks' cleanup (an agent CLI's process tree killed, ...) may take
+
 
 def sampling_params(rollout_cfg, temperature=None) -> dict:
     t = rollout_cfg.temperature if temperature is None else temperature
@@ -61,7 +63,8 @@ class RolloutWorker:
         tasks = asyncio.all_tasks() - {asyncio.current_task()}
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks:  # bounded: the actor is killed next whatever a task's cleanup still awaits
+            await asyncio.wait(tasks, timeout=STOP_S)
 
     def _engine_down(self, name: str, epoch: int) -> None:
         report = asyncio.get_running_loop().create_task(self.reports.put_async((name, epoch)))

@@ -202,16 +202,18 @@ def test_pause_keep_labels_each_token_with_the_weights_that_sampled_it(engine, h
         await c.aclose()
         return old, outs
 
-    old, outs = run(main())
-    spanning = 0
-    for out in outs:
-        labels = out.token_versions
-        switch = labels.index(old + 1) if old + 1 in labels else 400
-        assert len(labels) == 400 and labels == [old] * switch + [old + 1] * (400 - switch), labels
-        spanning += 0 < switch < 400
-        for model, part in ((hf_model, slice(0, switch)), (new_model, slice(switch, 400))):
-            ref = hf_logprobs(model, PROMPT + out.token_ids)[-400:]
-            assert part.start == part.stop or max_diff(out.logprobs[part], ref[part]) < 1e-4, (switch, part)
+    spanning, tries = 0, 0
+    while not spanning and tries < 3:  # on busy cores every reply in flight can end before the pause lands: again
+        old, outs = run(main())
+        tries += 1
+        for out in outs:
+            labels = out.token_versions
+            switch = labels.index(old + 1) if old + 1 in labels else 400
+            assert len(labels) == 400 and labels == [old] * switch + [old + 1] * (400 - switch), labels
+            spanning += 0 < switch < 400
+            for model, part in ((hf_model, slice(0, switch)), (new_model, slice(switch, 400))):
+                ref = hf_logprobs(model, PROMPT + out.token_ids)[-400:]
+                assert part.start == part.stop or max_diff(out.logprobs[part], ref[part]) < 1e-4, (switch, part)
     assert spanning, [o.token_versions[::50] for o in outs]
 
 
