@@ -124,6 +124,9 @@ class TrainConfig:
     kl_coef: float = 0.0  # k3 KL penalty to a frozen copy of the initial policy (0 = no reference model loaded)
     row_tokens: int = 2048  # packed row length for the actor
     micro_batch_rows: int = 1  # rows per forward/backward (gradient accumulation inside a step)
+    # the train step computes a group's shared prompt once per row (molt_varlen attention, the CPU default, without
+    # context parallelism; flex_attention and sdpa compute it per sample): pack.py
+    share_prefix: bool = True
     save_every: int = 0  # checkpoint every N steps (0 = only at the end)
     log_every: int = 10  # a line of main metrics on the terminal and in molt.log every N steps (MLflow gets all, every step)
     dump_rollouts: Optional[str] = None  # directory: write every step's rollouts as JSONL (trained and failed)

@@ -209,7 +209,7 @@ class Actor:
         (segments with loss tokens) default to this batch's counts; data-parallel callers pass all-ranks totals.
         keep: every segment's tokens end to end, on the device; the loss tokens this rank computes get the log-prob
         its loss used."""
-        batch = pack(segments, advantages, self.cfg.row_tokens)
+        batch = pack(segments, advantages, self.cfg.row_tokens, share=self.shares_prefix())
         if keep is not None:
             starts = torch.tensor([0] + [len(s.token_ids) for s in segments], device=self.device).cumsum(0)
         local_loss_tokens = int(batch.loss_mask.sum())
@@ -236,6 +236,12 @@ class Actor:
         return self.reduce(totals) | {"tokens/loss": float(local_loss_tokens),
                                       "tokens/total": float((batch.segment_ids >= 0).sum()),
                                       "rows": float(batch.num_rows)}
+
+    def shares_prefix(self) -> bool:
+        """Whether the train step packs equal prompts once (train.share_prefix; pack.py): molt_varlen only reads
+        them, and context parallelism's mask (context.py) knows segments, not shared prefixes."""
+        cp = self.mesh is not None and self.mesh["cp"].size() > 1
+        return self.cfg.share_prefix and self.attn == attention.NAME and not cp
 
     def reduce(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
         """Metric totals of this rank's micro-batches -> floats over all ranks, with one device sync."""

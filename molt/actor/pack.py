@@ -5,6 +5,14 @@ turns a position reset into a block-diagonal causal mask (`find_packed_sequence_
 `transformers.masking_utils`, used by sdpa, eager and flash attention alike), provided the
 model is called with no 2-D attention mask and no KV cache. Padding at the end of a row is
 one more "segment" (positions 0..k, segment -1), so it never attends into real tokens.
+
+Shared prefixes (`share=True`, the train step's packing): segments whose prompts (every token before the first
+generated one) are equal, as a group's samples are, put the prompt in a row once. Of a prompt of q tokens the first
+k = q - 1 come once (positions 0..k-1), then each member's tokens from k on (positions k..n-1): every member repeats
+the prompt's last token, so each generated token is still predicted from the column before it. A run of positions
+that starts at k > 0 attends to the first k columns of the last run that started at 0 (molt/actor/attention.py), so
+each token sees exactly the tokens it saw unshared. Only molt_varlen reads positions this way; transformers' own
+masks would cut each member off its prompt.
 """
 from __future__ import annotations
 
@@ -71,21 +79,47 @@ def _columns(i: int, s: Segment, advantage) -> dict[str, torch.Tensor]:
     return cols
 
 
-def pack(segments: list[Segment], advantages: list[list[float] | float], row_tokens: int) -> Batch:
-    """Pack segments into one Batch of rows; advantages[i] is per token of segments[i] (or one float for all)."""
+def shared_units(segments: list[Segment], row_tokens: int) -> list[tuple[int, list[int]]]:
+    """(k, members): units that go into a row whole; the members' first k tokens are equal and packed once (k = 0:
+    a segment alone). Segments with equal prompts share all but the prompt's last token, as many as fit a row;
+    segments with routes or images are never shared (their prompts' routes and pixels stay per segment)."""
+    by_prompt: dict = {}
+    for i, s in enumerate(segments):
+        q = s.loss_mask.index(1) if 1 in s.loss_mask else 0
+        shareable = q >= 2 and s.routed_experts is None and not s.images
+        by_prompt.setdefault(tuple(s.token_ids[:q]) if shareable else i, []).append(i)
+    units = []
+    for key, members in by_prompt.items():
+        k, unit = len(key) - 1 if isinstance(key, tuple) else 0, []
+        for i in members:
+            if unit and k + sum(len(segments[j].token_ids) - k for j in unit + [i]) > row_tokens:
+                units.append((k if len(unit) > 1 else 0, unit))
+                unit = []
+            unit.append(i)
+        units.append((k if len(unit) > 1 else 0, unit))
+    return units
+
+
+def pack(segments: list[Segment], advantages: list[list[float] | float], row_tokens: int, share: bool = False) -> Batch:
+    """Pack segments into one Batch of rows; advantages[i] is per token of segments[i] (or one float for all).
+    share: equal prompts once per row (the module docstring); `spans` then hold each member's own tokens only."""
     _check(segments, advantages, row_tokens)
-    rows = first_fit_decreasing([len(s.token_ids) for s in segments], row_tokens)
-    width = max(sum(len(segments[i].token_ids) for i in row) for row in rows)
+    units = shared_units(segments, row_tokens) if share else [(0, [i]) for i in range(len(segments))]
+    sizes = [k + sum(len(segments[i].token_ids) - k for i in members) for k, members in units]
+    rows = first_fit_decreasing(sizes, row_tokens)
+    width = max(sum(sizes[u] for u in row) for row in rows)
     cols = {k: torch.full((len(rows), width, *dims), COLUMNS[k][0], dtype=COLUMNS[k][1])
             for k, dims in _trailing_dims(segments).items()}
     spans = [(0, 0, 0)] * len(segments)
     for r, row in enumerate(rows):
         start = 0
-        for i in row:
-            n = len(segments[i].token_ids)
-            for k, v in _columns(i, segments[i], advantages[i]).items():
-                cols[k][r, start:start + n] = v
-            spans[i], start = (r, start, n), start + n
+        for k, members in (units[u] for u in row):
+            for j, i in enumerate(members):
+                skip = k if j else 0  # the first member brings the shared tokens, the others start after them
+                n = len(segments[i].token_ids) - skip
+                for name, v in _columns(i, segments[i], advantages[i]).items():
+                    cols[name][r, start:start + n] = v[skip:]
+                spans[i], start = (r, start, n), start + n
         cols["position_ids"][r, start:] = torch.arange(width - start)  # padding: its own segment
     images = {i: s.images for i, s in enumerate(segments) if s.images} or None  # for molt/actor/vision.py
     return Batch(spans=spans, images=images, **cols)

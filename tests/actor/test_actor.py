@@ -298,3 +298,60 @@ def test_lora_reference_is_the_base_model_without_a_second_copy(model_dir):
     scored = actor._per_token(lambda mb: ref.score(mb, 1.0), segs)
     diff = lambda a, b: max(abs(x - y) for p, q in zip(a, b) for x, y in zip(p, q))  # noqa: E731
     assert diff(scored, base) <= 1e-6 and diff(actor.logprobs(segs), base) > 1e-3
+
+
+def grouped_segments(prompts=(6, 3, 11), n=4, seed=0):
+    """len(prompts) groups of n samples each: one prompt per group, replies of 1-6 tokens, behaviour log-probs
+    around -1."""
+    rng, segs = random.Random(seed), []
+    for q in prompts:
+        prompt = [rng.randrange(3, 500) for _ in range(q)]
+        for _ in range(n):
+            s, k = Segment(), rng.randint(1, 6)
+            s.append(prompt)
+            s.append([rng.randrange(3, 500) for _ in range(k)], generated=True,
+                     logprobs=[-1.0 + rng.uniform(-0.3, 0.3) for _ in range(k)], version=0)
+            segs.append(s)
+    return segs
+
+
+def test_shared_prompts_pack_once_and_keep_every_token():
+    segs = grouped_segments() + make_segments((5, 9))  # two lone segments with prompts of their own
+    plain, shared = pack(segs, [1.0] * len(segs), 64), pack(segs, [1.0] * len(segs), 64, share=True)
+    real = lambda b: int((b.segment_ids >= 0).sum())  # noqa: E731
+    assert real(plain) == sum(len(s.token_ids) for s in segs)
+    assert real(shared) == real(plain) - 3 * (5 + 2 + 10)  # the groups' prompts but their last token, 3 of 4 times
+    for i, (r, start, n) in enumerate(shared.spans):  # each member's own tokens: its prompt's end and its reply
+        assert shared.input_ids[r, start:start + n].tolist() == segs[i].token_ids[-n:]
+        end = len(segs[i].token_ids)
+        assert shared.position_ids[r, start:start + n].tolist() == list(range(end - n, end))
+        assert shared.loss_mask[r, start:start + n].tolist() == segs[i].loss_mask[-n:]
+    assert shared.loss_mask.sum() == plain.loss_mask.sum() and shared.num_rows < plain.num_rows
+    tight = pack(segs, [1.0] * len(segs), 20, share=True)  # a group that does not fit a row goes into several
+    assert real(tight) > real(shared) and tight.loss_mask.sum() == plain.loss_mask.sum()
+
+
+@pytest.mark.parametrize("loss", ["ppo_clip", "gspo"])
+def test_shared_prompts_give_the_unshared_step(model_dir, loss):
+    """train.share_prefix: the same loss, metrics, kept log-probs, gradients and updated weights as every sample's
+    prompt in full (fp32 sums in another order), from fewer tokens."""
+    segs = grouped_segments()
+    adv = [(-1.0) ** i * (1 + i / 10) for i in range(len(segs))]
+    out = []
+    for share in (False, True):
+        actor = Actor(model_dir, TrainConfig(row_tokens=32, micro_batch_rows=2, share_prefix=share, lr=1e-2),
+                      objective=Objective(loss_config(loss)))
+        metrics = actor.train_step(segs, adv, temperature=0.7, keep_logprobs=True)
+        out.append((metrics, actor.kept_logprobs(), {k: p.grad.clone() for k, p in actor.model.named_parameters()},
+                    {k: p.detach().clone() for k, p in actor.model.named_parameters()}))
+    (m0, kept0, g0, w0), (m1, kept1, g1, w1) = out
+    assert m1["tokens/total"] < 0.8 * m0["tokens/total"] and m1["tokens/loss"] == m0["tokens/loss"]
+    for k in ("loss/policy", "clip/frac", "mismatch/logprob_abs_mean", "mismatch/logprob_abs_max", "entropy/mean",
+              "grad_norm"):
+        assert m1[k] == pytest.approx(m0[k], abs=1e-6), k
+    assert max(abs(x - y) for a, b in zip(kept0, kept1) for x, y in zip(a, b)) <= 1e-6
+    assert sum(x != 0 for a in kept1 for x in a) == m0["tokens/loss"]
+    for k in g0:
+        scale = g0[k].abs().max().item()
+        torch.testing.assert_close(g1[k], g0[k], rtol=1e-4, atol=1e-6 * max(scale, 1.0), msg=k)
+        torch.testing.assert_close(w1[k], w0[k], rtol=0, atol=0.01 * 1e-2, msg=k)  # 1% of a step (AdamW: lr g / |g|)

@@ -20,9 +20,11 @@ def _loss_and_grads(model, batch):
     return logp.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_segment_bounds_from_position_resets():
+def test_blocks_from_position_runs():
     pos = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 1]])
-    assert attention.segment_bounds(pos) == [[(0, 3), (3, 5), (5, 6)], [(0, 4), (4, 6)]]
+    assert attention.blocks(pos) == [[(0, 3, 0, 0), (3, 5, 3, 0), (5, 6, 5, 0)], [(0, 4, 0, 0), (4, 6, 4, 0)]]
+    shared = torch.tensor([[0, 1, 2, 3, 2, 3, 4, 2, 3, 0, 1]])  # a prefix of 2 shared by three runs, then padding
+    assert attention.blocks(shared) == [[(0, 4, 0, 0), (4, 7, 0, 2), (7, 9, 0, 2), (9, 11, 9, 0)]]
 
 
 def test_varlen_matches_masked_sdpa(model_dir):
