@@ -34,9 +34,39 @@ def blocks(position_ids: torch.Tensor) -> list[list[tuple[int, int, int, int]]]:
     return out
 
 
+MASK_ELEMENTS = 1 << 24  # per call on shared prefixes: runs x longest x (prefix + longest), bounds mask and scores
+
+
+def _batches(runs: list[tuple[int, int]], p: int) -> list[list[tuple[int, int]]]:
+    """The runs on one shared prefix of p tokens in batches whose padded mask stays within MASK_ELEMENTS."""
+    out, batch = [], []
+    for a, b in runs:
+        n = max([b - a] + [y - x for x, y in batch])
+        if batch and (len(batch) + 1) * n * (p + n) > MASK_ELEMENTS:
+            out.append(batch)
+            batch = []
+        batch.append((a, b))
+    return out + [batch]
+
+
+def _shared(q, k, v, root: int, p: int, runs: list[tuple[int, int]], **kw) -> tuple[torch.Tensor, list[int]]:
+    """Runs that continue the p keys from `root`, in one call, each padded to the longest (masked off): their
+    outputs (1, Hq, tokens, Dv) and columns."""
+    n = max(b - a for a, b in runs)
+    idx = torch.tensor([[min(a + j, b - 1) for j in range(n)] for a, b in runs], device=q.device)  # (m, n)
+    real = torch.tensor([[j < b - a for j in range(n)] for a, b in runs], device=q.device)  # (m, n)
+    prefix = lambda x: x[:, :, root:root + p].expand(len(runs), -1, -1, -1)  # noqa: E731  (m, H, p, D)
+    qs, ks, vs = (x[0][:, idx].transpose(0, 1) for x in (q, k, v))  # (m, H, n, D) each
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril() & real[:, None, :]  # (m, n, n)
+    mask = torch.cat([real.new_ones(len(runs), n, p), causal], 2)[:, None]  # (m, 1, n, p + n): all the prefix
+    out = F.scaled_dot_product_attention(qs, torch.cat([prefix(k), ks], 2), torch.cat([prefix(v), vs], 2),
+                                         attn_mask=mask, **kw)  # (m, Hq, n, Dv)
+    return out.transpose(0, 1)[:, real][None], idx[real].tolist()
+
+
 def _row(q, k, v, row: list[tuple[int, int, int, int]], **kw) -> torch.Tensor:
     """One row's attention, (1, Hq, T, Dv) from q (1, Hq, T, D), k and v (1, Hkv, T, D): each run from 0 alone and
-    causal; the runs that continue one shared prefix together, in one call, each padded to the longest (masked)."""
+    causal; the runs that continue one shared prefix in batches (_shared)."""
     parts, cols, shared = [], [], {}
     for a, b, root, p in row:
         if p == 0:
@@ -47,17 +77,10 @@ def _row(q, k, v, row: list[tuple[int, int, int, int]], **kw) -> torch.Tensor:
     if not shared:  # the runs in column order already
         return torch.cat(parts, 2)
     for (root, p), runs in shared.items():
-        n = max(b - a for a, b in runs)
-        idx = torch.tensor([[min(a + j, b - 1) for j in range(n)] for a, b in runs], device=q.device)  # (m, n)
-        real = torch.tensor([[j < b - a for j in range(n)] for a, b in runs], device=q.device)  # (m, n)
-        prefix = lambda x: x[:, :, root:root + p].expand(len(runs), -1, -1, -1)  # noqa: E731  (m, H, p, D)
-        qs, ks, vs = (x[0][:, idx].transpose(0, 1) for x in (q, k, v))  # (m, H, n, D) each
-        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril() & real[:, None, :]  # (m, n, n)
-        mask = torch.cat([real.new_ones(len(runs), n, p), causal], 2)[:, None]  # (m, 1, n, p + n): all the prefix
-        out = F.scaled_dot_product_attention(qs, torch.cat([prefix(k), ks], 2), torch.cat([prefix(v), vs], 2),
-                                             attn_mask=mask, **kw)  # (m, Hq, n, Dv)
-        parts.append(out.transpose(0, 1)[:, real][None])  # (1, Hq, real tokens, Dv)
-        cols += idx[real].tolist()
+        for batch in _batches(runs, p):
+            out, where = _shared(q, k, v, root, p, batch, **kw)
+            parts.append(out)
+            cols += where
     return torch.cat(parts, 2)[:, :, torch.tensor(cols, device=q.device).argsort()]  # back in column order
 
 

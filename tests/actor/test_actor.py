@@ -6,6 +6,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from molt.actor import attention
 from molt.actor.actor import Actor
 from molt.actor.helpers import Frozen
 from molt.actor.pack import micro_batches, pack
@@ -331,10 +332,12 @@ def test_shared_prompts_pack_once_and_keep_every_token():
     assert real(tight) > real(shared) and tight.loss_mask.sum() == plain.loss_mask.sum()
 
 
-@pytest.mark.parametrize("loss", ["ppo_clip", "gspo"])
-def test_shared_prompts_give_the_unshared_step(model_dir, loss):
+@pytest.mark.parametrize("loss,mask_elements", [("ppo_clip", 1 << 24), ("gspo", 1 << 24), ("ppo_clip", 1)])
+def test_shared_prompts_give_the_unshared_step(model_dir, loss, mask_elements, monkeypatch):
     """train.share_prefix: the same loss, metrics, kept log-probs, gradients and updated weights as every sample's
-    prompt in full (fp32 sums in another order), from fewer tokens."""
+    prompt in full (fp32 sums in another order), from fewer tokens; a group's samples in one attention call, or
+    (mask_elements=1) each alone."""
+    monkeypatch.setattr(attention, "MASK_ELEMENTS", mask_elements)
     segs = grouped_segments()
     adv = [(-1.0) ** i * (1 + i / 10) for i in range(len(segs))]
     out = []

@@ -42,3 +42,10 @@ def test_varlen_matches_masked_sdpa(model_dir):
         # let one segment see another moves gradients by orders of magnitude more
         scale = ref[name].abs().max().item()
         torch.testing.assert_close(grads[name], ref[name], rtol=1e-4, atol=1e-6 * max(scale, 1.0), msg=name)
+
+
+def test_runs_on_a_shared_prefix_are_batched_within_the_mask_budget(monkeypatch):
+    runs = [(10, 14), (14, 20), (20, 22), (22, 30)]
+    assert attention._batches(runs, 10) == [runs]
+    monkeypatch.setattr(attention, "MASK_ELEMENTS", 2 * 6 * 16)  # two runs of up to 6 tokens after 10 shared
+    assert attention._batches(runs, 10) == [[(10, 14), (14, 20)], [(20, 22)], [(22, 30)]]
