@@ -8,7 +8,8 @@ Workload: 8 prompts "Write a short sentence about the number N." x 8 samples = 6
     python experiments/benchmarks/cpu_step.py e2e [--steps 6] [--precision fp32,bf16] [--peer] [overrides...]  # the loop
 
 `actor`: the same 64 rollouts (real prompt ids from the chat template, generated lengths drawn to match the e2e
-run's mean of ~41 tokens with a tail to 128) trained by Actor.train_step (packed rows) and by a plain-torch
+run's mean of ~41 tokens with a tail to 128) trained by Actor.train_step (packed rows; with molt_varlen once with
+each group's prompt packed once, train.share_prefix, and once per sample) and by a plain-torch
 reference step (HF forward over the rows padded to the longest, log-softmax gather, backward, AdamW), interleaved
 in one process so that a shared machine's load hits both alike; tokens/s counts real (unpadded) tokens for both.
 `e2e`: `python -m molt model=smollm2_135m` on this task; prints per-step generate/train/sync/other and tokens/s
@@ -100,7 +101,11 @@ def actor_only(args) -> None:
     padded = len(segs) * max(len(s.token_ids) for s in segs)
     print(f"64 rollouts: {real} tokens ({sum(sum(s.loss_mask) for s in segs)} generated), padded {padded}; "
           f"torch threads {torch.get_num_threads()}")
-    actors = {a: Actor(model_dir, TrainConfig(lr=1e-6), attn_implementation=a) for a in args.attn.split(",")}
+    # molt_varlen twice: with each group's prompt packed once (train.share_prefix, the default) and per sample
+    shares = lambda a: (True, False) if a == "molt_varlen" else (False,)  # noqa: E731
+    variants = [(a, share) for a in args.attn.split(",") for share in shares(a)]
+    actors = {a + (", prompts shared" if share else ""): Actor(model_dir, TrainConfig(lr=1e-6, share_prefix=share),
+                                                              attn_implementation=a) for a, share in variants}
     ref = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="sdpa")
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-6)
     steps = {f"molt actor ({a})": (lambda act=act: act.train_step(segs, adv)) for a, act in actors.items()}

@@ -4,6 +4,8 @@
     python experiments/benchmarks/step_cost.py --part pieces    # one engine, one actor, no loop
     python experiments/benchmarks/step_cost.py --part loop --steps 60
     python experiments/benchmarks/step_cost.py --part loop --steps 60 --peer   # and TRL's GRPOTrainer (issue 26's peer)
+    python experiments/benchmarks/step_cost.py --part loop --rounds 3 --variant train.share_prefix=false  # A/B
+    python experiments/benchmarks/step_cost.py --part cpu      # CPU time per step of each process, both loops
 
 The quickstart's workload: assets/tiny, 8 prompts x 8 samples, at most 4 new tokens, one torch thread.
 
@@ -23,7 +25,12 @@ loop: `molt experiment=quickstart rollout.seed=0 eval.every=0 view.every=0` with
 after the other; per run the median over steps 5.. of the wall time per step (Molt: between two steps' metrics, from
 their MLflow timestamps, logging and checkpoints included) and of Molt's phases. --peer: then TRL's GRPOTrainer on
 the same model, prompts (in TRL's order), reward and settings (experiments/benchmarks/cpu_step.py peer_run), the median
-of its steps 5.. (TRL's own step callbacks).
+of its steps 5.. (TRL's own step callbacks). --variant: Molt's two runs again with one more override. --rounds: all of
+it N times, interleaved, so that a shared machine's slow minutes hit every row alike; each row prints the median and
+range over the rounds.
+
+cpu: a quickstart run with max_lag=0, then 1 (until stopped); the CPU time per step of the driver and of every
+process it started (Ray, the rollout worker, the engine's API server and core), from psutil over 20 s after 45 s.
 """
 from __future__ import annotations
 
@@ -222,24 +229,74 @@ def peer_quickstart(steps: int, model_dir: Path) -> list[float]:
     return peer_run(steps, model_dir, rows, reward, max_new=parity.SETTINGS["max_new_tokens"], lr=parity.SETTINGS["lr"])
 
 
-def loop(steps: int, out: Path, peer: bool = False) -> None:
-    """Molt synchronous, Molt asynchronous, the reference loop (and with `peer`, TRL's GRPOTrainer): median s/step and
-    Molt's phases."""
+def loop(steps: int, out: Path, peer: bool = False, rounds: int = 1, variants: tuple[str, ...] = ("",)) -> None:
+    """Molt synchronous, Molt asynchronous (each once per `variants` override, "" = as configured), the reference loop
+    (and with `peer`, TRL's GRPOTrainer), `rounds` times interleaved: per run the median s/step and Molt's phases over
+    steps 5.., then per row the median over the rounds (and their range)."""
     from molt.assets import ensure_model
 
     model_dir = ensure_model(REPO / "assets/tiny", "tiny")
-    rows = []
-    for lag in (0, 1):
-        res = parity.molt_run(0, steps, out, extra=[f"rollout.max_lag={lag}"], keys=PHASES)
-        rows.append((f"molt, max_lag={lag}", res))
-    rows.append(("reference loop", parity.reference_run(0, steps, model_dir)))
-    if peer:
-        rows.append((f"peer (TRL {version('trl')})", {"step_s": peer_quickstart(steps, model_dir)}))
-    print(f"\nquickstart, {steps} steps each, medians over steps 5..{steps - 1}")
-    print(f"  {'':20s} {'s/step':>8s} " + " ".join(f"{k.removeprefix('time/'):>9s}" for k in PHASES))
-    for name, res in rows:
-        phases = " ".join(f"{statistics.median(res[k][5:]):9.4f}" if res.get(k) else f"{'':9s}" for k in PHASES)
-        print(f"  {name:20s} {statistics.median(res.get('wall_s', res['step_s'])[5:]):8.4f} {phases}")
+    rows: dict[str, list[dict]] = {}
+    for r in range(rounds):
+        for v in variants:
+            for lag in (0, 1):
+                extra = [f"rollout.max_lag={lag}", *([v] if v else [])]
+                res = parity.molt_run(0, steps, out / f"round{r}", extra=extra, keys=PHASES)
+                rows.setdefault(f"molt, max_lag={lag}" + (f", {v}" if v else ""), []).append(res)
+        rows.setdefault("reference loop", []).append(parity.reference_run(0, steps, model_dir))
+        if peer:
+            rows.setdefault(f"peer (TRL {version('trl')})", []).append({"step_s": peer_quickstart(steps, model_dir)})
+    med = lambda xs: statistics.median(xs[5:])  # noqa: E731
+    print(f"\nquickstart, {steps} steps each, {rounds} round(s): medians over steps 5..{steps - 1}, then over rounds")
+    print(f"  {'':44s} {'s/step':>8s} {'range':>15s} " + " ".join(f"{k.removeprefix('time/'):>9s}" for k in PHASES))
+    for name, runs in rows.items():
+        walls = [med(res.get("wall_s", res["step_s"])) for res in runs]
+        phases = " ".join(f"{statistics.median(med(res[k]) for res in runs):9.4f}" if runs[0].get(k) else f"{'':9s}"
+                          for k in PHASES)
+        print(f"  {name:44s} {statistics.median(walls):8.4f} {min(walls):7.4f}-{max(walls):.4f} {phases}")
+
+
+def cpu(out: Path, lag: int = 1, warm_s: float = 45, span_s: float = 20) -> None:
+    """CPU time per step of every process of a quickstart run (the driver and all it started: Ray, the rollout
+    worker, the engine's API server and core), over span_s seconds after warm_s, from psutil; steps counted in the
+    run's MLflow store."""
+    import os
+    import sqlite3
+    import subprocess
+
+    import psutil
+
+    run = out / f"cpu_max_lag{lag}"
+    cmd = [sys.executable, "-m", "molt", "experiment=quickstart", f"rollout.max_lag={lag}", "train.steps=100000",
+           "eval.every=0", "view.every=0", f"hydra.run.dir={run}", f"checkpoint_dir={run / 'ckpt'}"]
+    driver = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1"),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def snapshot() -> tuple[int, dict]:
+        with sqlite3.connect(run / "mlflow.db") as db:
+            step = db.execute("select count(*) from metrics where key = 'reward/mean'").fetchone()[0]
+        times = {}
+        for p in [psutil.Process(driver.pid), *psutil.Process(driver.pid).children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                times[p.pid] = (sum(p.cpu_times()[:2]), " ".join(p.cmdline()).replace(f"{REPO}/", "")[:60] or p.name())
+        return step, times
+
+    try:
+        time.sleep(warm_s)
+        (s0, t0), w0 = snapshot(), time.time()
+        time.sleep(span_s)
+        (s1, t1), w1 = snapshot(), time.time()
+    finally:
+        driver.terminate()
+        driver.wait()
+    n = s1 - s0
+    print(f"\nCPU per step, max_lag={lag}: {n} steps in {w1 - w0:.1f} s ({(w1 - w0) / n:.4f} s/step, "
+          f"{psutil.cpu_count()} cores)")
+    rows = sorted(((t1[k][0] - t0.get(k, (0.0,))[0]) / n, t1[k][1]) for k in t1)
+    for sec, name in reversed(rows):
+        if sec >= 5e-4:
+            print(f"  {1000 * sec:7.1f} ms  {name}")
+    print(f"  {1000 * sum(sec for sec, _ in rows):7.1f} ms  in all")
 
 
 PHASES = ("time/wait", "time/generate", "time/train", "time/sync", "time/other")
@@ -247,17 +304,23 @@ PHASES = ("time/wait", "time/generate", "time/train", "time/sync", "time/other")
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=["both", "pieces", "loop"], default="both")
+    ap.add_argument("--part", choices=["both", "pieces", "loop", "cpu"], default="both")
     ap.add_argument("--reps", type=int, default=30, help="pieces: repetitions of each")
     ap.add_argument("--steps", type=int, default=60, help="loop: steps of each run")
     ap.add_argument("--out", default=str(REPO / "outputs/step_cost"), help="loop: where the molt runs go")
     ap.add_argument("--peer", action="store_true", help="loop: TRL's GRPOTrainer on the quickstart too")
+    ap.add_argument("--rounds", type=int, default=1, help="loop: run everything this many times, interleaved")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="loop: Molt again with this override too (repeatable), e.g. train.share_prefix=false")
     a = ap.parse_args()
     torch.set_num_threads(1)
     if a.part in ("both", "pieces"):
         pieces(a.reps)
     if a.part in ("both", "loop"):
-        loop(a.steps, Path(a.out), a.peer)
+        loop(a.steps, Path(a.out), a.peer, a.rounds, ("", *a.variant))
+    if a.part == "cpu":
+        for lag in (0, 1):
+            cpu(Path(a.out), lag)
 
 
 if __name__ == "__main__":
