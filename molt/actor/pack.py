@@ -90,14 +90,16 @@ def shared_units(segments: list[Segment], row_tokens: int) -> list[tuple[int, li
         by_prompt.setdefault(tuple(s.token_ids[:q]) if shareable else i, []).append(i)
     units = []
     for key, members in by_prompt.items():
-        k, unit = len(key) - 1 if isinstance(key, tuple) else 0, []
+        k = len(key) - 1 if isinstance(key, tuple) else 0
+        unit, size = [], k
         for i in members:
-            if unit and k + sum(len(segments[j].token_ids) - k for j in unit + [i]) > row_tokens:
-                units.append((k if len(unit) > 1 else 0, unit))
-                unit = []
-            unit.append(i)
-        units.append((k if len(unit) > 1 else 0, unit))
-    return units
+            n = len(segments[i].token_ids) - k
+            if unit and size + n > row_tokens:
+                units.append((k, unit))
+                unit, size = [], k
+            unit, size = unit + [i], size + n
+        units.append((k, unit))
+    return [(k if len(unit) > 1 else 0, unit) for k, unit in units]  # one member alone shares nothing
 
 
 def pack(segments: list[Segment], advantages: list[list[float] | float], row_tokens: int, share: bool = False) -> Batch:
