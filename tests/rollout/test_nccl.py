@@ -90,6 +90,7 @@ def _rank(rank, port, model_dir, out):
     for _, t in source:  # a consumer that keeps nothing: what stays alive is the source's own
         total += t.nbytes
         del t
+        gc.collect()  # what the source holds, not cyclic garbage the collector has not reached yet
         peak = max(peak, sum(n for ptr, n in _storages().items() if ptr not in mine))
     full = {k: v.to(torch.bfloat16) for k, v in actor.export_weights().items()}  # the gather-everything baseline
     if rank == 0:
