@@ -70,6 +70,7 @@ class Fleet:
         last, self.probed = self.probed, None
         self.version, self.probe = version, probe or self.probe
         self.sent = self.take()
+        then = then and functools.cache(then)  # once, also when an engine died and the sync is delivered again
         self.pending = asyncio.run_coroutine_threadsafe(
             self._push(list(self.clients.values()), self.sent, then), self.aio), then
         if not wait and self.cfg.engine.sync != "nccl":
@@ -119,11 +120,10 @@ class Fleet:
                                e.pause_mode)
         elif weights is not None:
             await sync_weights(clients, weights, self.version, e.sync_dir, e.pause_mode)
+        if then is not None:  # the engines serve the version: the next rollouts start while the probe scores it (a
+            then()  # probe that fails stops the run all the same)
         features = await engine_features(clients[0], self.probe.images)  # an image prompt probes the vision tower
-        diff = await verify_sync(clients[0], self.probe.token_ids, expected, tol=self.cfg.engine.probe_tol, **features)
-        if then is not None:
-            then()
-        return diff
+        return await verify_sync(clients[0], self.probe.token_ids, expected, tol=self.cfg.engine.probe_tol, **features)
 
     def check(self) -> None:
         """Restart every engine whose process exited, and every engine the worker reported, unless that incarnation

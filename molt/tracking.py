@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -80,6 +81,10 @@ def mlflow_run(cfg, extra_params: dict, resume_run: bool = False):
     previous = json.loads(marker.read_text()) if (cfg.resume or resume_run) and marker.exists() else {}
     uri = previous.get("uri") or tracking_uri(cfg)
     mlflow.set_tracking_uri(uri)
+    # the logging thread writes what a second brought in one transaction: on the quickstart ~10 steps' metrics, about
+    # half the CPU per step of a transaction each (experiments/benchmarks/step_cost.py); a flush (a checkpoint,
+    # the run's end) writes them at once
+    os.environ.setdefault("MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS", "1")
     mlflow.set_experiment(experiment_id=create_experiment(uri, cfg.name))
     resolved = OmegaConf.to_container(cfg, resolve=True)
     with mlflow.start_run(run_id=previous.get("run_id"), run_name=None if previous else out.name,

@@ -120,7 +120,7 @@ class Engines:
     @staticmethod
     def _call(client: EngineClient, method: str, path: str, body: dict | None = None) -> dict:
         async def once():
-            fresh = EngineClient(*client.__reduce__()[1])  # an httpx pool belongs to one event loop
+            fresh = EngineClient(*client.__reduce__()[1])  # a session belongs to one event loop
             try:
                 return await fresh._call(method, f"/{path}", **({"json": body} if body is not None else {}))
             finally:
