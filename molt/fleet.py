@@ -1,9 +1,9 @@
 """The run's engines as the loop drives them: verified weight sync, and replacement of engines that die.
 
-    fleet = Fleet(servers, cfg, actor)          # servers: from launch_engines; its requests run on its own thread
-    probe = fleet.sync(version, probe_segment)  # the actor's weights into every engine, checked on one
-    last = fleet.sync(version, probe_segment, then=grant, wait=False)  # overlapped: taken now, delivered meanwhile
-    fleet.check()                               # restart engines that died (polled while the loop waits)
+    with Fleet(servers, cfg, actor) as fleet:   # servers: from launch_engines; its requests run on its own thread
+        probe = fleet.sync(version, probe_segment)  # the actor's weights into every engine, checked on one
+        last = fleet.sync(version, probe_segment, then=grant, wait=False)  # overlapped: taken now, delivered then
+        fleet.check()                               # restart engines that died (polled while the loop waits)
 
 An overlapped sync (rollout.max_lag >= 1, engine.sync reload or adapter) takes the weights and the probe's expected
 log-probs in the caller's thread, then pauses, updates, verifies and resumes the engines on the fleet's thread while
@@ -191,8 +191,16 @@ class Fleet:
             self.check()
         return ray.get(ref)
 
-    def close(self) -> None:
-        self.settle()
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, *_) -> None:
+        self.close(settle=kind is None)  # a failed run does not wait for (nor replace engines of) a sync in flight
+
+    def close(self, settle: bool = True) -> None:
+        """Its HTTP sessions closed (aiohttp reports unclosed ones on stderr at exit), its thread stopped."""
+        if settle:
+            self.settle()
         for c in self.clients.values():
             self.call(c.aclose())
         self.aio.call_soon_threadsafe(self.aio.stop)

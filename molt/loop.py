@@ -71,38 +71,39 @@ def run(cfg) -> None:
 
 def train(cfg, model_dir: Path, engines, stop: threading.Event) -> None:
     actor = make_actor(cfg, model_dir)  # while the engines start (their start is mostly one core importing vLLM)
-    fleet = Fleet(engines, cfg, actor)  # syncs engines, replaces those that die
-    version, position = restore(cfg, actor)
-    queue, popper = Queue(), Popper()
-    fleet.worker = worker = RolloutWorker.options(**net.on_task(0)).remote(  # its process starts meanwhile too
-        cfg, list(fleet.clients.values()), queue, str(model_dir), credits(cfg), fleet.reports)
-    wait_ready(engines, cfg.engine.startup_timeout_s)
-    if version or cfg.engine.sync == "adapter":  # the engines serve the initial weights (adapter: not yet the policy)
-        fleet.sync(version)
-    ray.get(worker.start.remote(position))
-    bar, clock = tracking.progress(version, cfg.train.steps), Clock()
-    for step in bar:
-        failed = []  # this step's failed rollouts, not trained, shown on its page
-        with clock("wait"):
-            fleet.check()  # engines that died or failed a request: replaced here, and while the queue stays empty
-            groups, counts = collect(lambda: popper.pop(queue, fleet, stop), cfg, version, worker.grant.remote, failed)
-        if groups is None:  # Ctrl-C: stop between two steps, where the state is consistent
-            raise Interrupted(step, save(cfg, step, actor, position, model_dir) if step else None, cfg.checkpoint_dir)
-        position += counts["groups"]
-        prep, metrics = learn(cfg, actor, groups, step, clock)
-        with clock("sync"):  # max_lag >= 1: overlapped with the next step (its probe is reported with the next)
-            last = step + 1 == cfg.train.steps  # no credits after it: nothing starts only to be cancelled
-            probe = fleet.sync(version + 1, prep.segments[0], wait=cfg.rollout.max_lag == 0,
-                               then=None if last else functools.partial(worker.grant.remote, len(groups)))
-        version += 1  # the next groups start on the new weights: the credits go back once the engines serve them
-        metrics |= ({} if probe is None else {"sync/probe_abs_max": probe}) | maybe_eval(cfg, worker, fleet, step)
-        metrics |= {"engine/restarts": fleet.total} | fleet.cache_metrics()
-        report(cfg, bar, step, version, metrics, prep, groups, failed, counts, clock, actor, model_dir)
-        maybe_save(cfg, actor, position, step, model_dir)  # after the log: a kill in between repeats a step, never loses one
-    fleet.settle()
-    ray.get(worker.stop.remote(), timeout=60)  # its tasks cancelled: ray.kill is asynchronous, and an actor that Ray's
-    ray.kill(worker)  # shutdown ends first reports every task it left pending as destroyed
-    fleet.close()
+    with Fleet(engines, cfg, actor) as fleet:  # syncs engines, replaces those that die; closed however the run ends
+        version, position = restore(cfg, actor)
+        queue, popper = Queue(), Popper()
+        fleet.worker = worker = RolloutWorker.options(**net.on_task(0)).remote(  # its process starts meanwhile too
+            cfg, list(fleet.clients.values()), queue, str(model_dir), credits(cfg), fleet.reports)
+        wait_ready(engines, cfg.engine.startup_timeout_s)
+        if version or cfg.engine.sync == "adapter":  # the engines serve the initial weights (adapter: not the policy)
+            fleet.sync(version)
+        ray.get(worker.start.remote(position))
+        bar, clock = tracking.progress(version, cfg.train.steps), Clock()
+        for step in bar:
+            failed = []  # this step's failed rollouts, not trained, shown on its page
+            with clock("wait"):
+                fleet.check()  # engines that died or failed a request: replaced here, and while the queue stays empty
+                groups, counts = collect(lambda: popper.pop(queue, fleet, stop), cfg, version, worker.grant.remote,
+                                         failed)
+            if groups is None:  # Ctrl-C: stop between two steps, where the state is consistent
+                raise Interrupted(step, save(cfg, step, actor, position, model_dir) if step else None,
+                                  cfg.checkpoint_dir)
+            position += counts["groups"]
+            prep, metrics = learn(cfg, actor, groups, step, clock)
+            with clock("sync"):  # max_lag >= 1: overlapped with the next step (its probe is reported with the next)
+                last = step + 1 == cfg.train.steps  # no credits after it: nothing starts only to be cancelled
+                probe = fleet.sync(version + 1, prep.segments[0], wait=cfg.rollout.max_lag == 0,
+                                   then=None if last else functools.partial(worker.grant.remote, len(groups)))
+            version += 1  # the next groups start on the new weights: the credits go back once the engines serve them
+            metrics |= ({} if probe is None else {"sync/probe_abs_max": probe}) | maybe_eval(cfg, worker, fleet, step)
+            metrics |= {"engine/restarts": fleet.total} | fleet.cache_metrics()
+            report(cfg, bar, step, version, metrics, prep, groups, failed, counts, clock, actor, model_dir)
+            maybe_save(cfg, actor, position, step, model_dir)  # after the log: a kill in between repeats a step
+        fleet.settle()
+        ray.get(worker.stop.remote(), timeout=60)  # its tasks cancelled: ray.kill is asynchronous, and an actor that
+        ray.kill(worker)  # Ray's shutdown ends first reports every task it left pending as destroyed
 
 
 def replay(cfg, model_dir: Path, stop: threading.Event) -> None:

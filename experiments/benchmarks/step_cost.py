@@ -144,6 +144,7 @@ async def rollout_and_sync(client, cfg, model_dir: Path, actor, reps: int) -> tu
             expected = actor.logprobs([probe], cfg.rollout.temperature)[0][1:]
         with timed(t, "sync: probe, the engine"):
             await reload.verify_sync(client, probe.token_ids, expected, cfg.engine.probe_tol)
+    await client.aclose()
     return t, counts, groups
 
 

@@ -18,8 +18,10 @@ import time
 import traceback
 
 import ray
+from omegaconf import OmegaConf
 
 from molt.agents import load_agent, run_group
+from molt.config import AgentConfig
 from molt.data import DataStream, load_jsonl
 from molt.rollout.engine import EngineClient
 from molt.rollout.router import Router
@@ -45,6 +47,7 @@ class RolloutWorker:
                              sticky=cfg.rollout.sticky)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.agent = load_agent(cfg.agent.mode, importlib.import_module(cfg.agent.module))
+        self.agent_cfg = AgentConfig(**OmegaConf.to_container(cfg.agent))  # read per turn: plain attributes are cheap
         self.stream = DataStream(load_jsonl(cfg.task.train_path), seed=cfg.seed)
         self.credits, self.wake = initial_credits, asyncio.Event()
         self.task, self.reporting = None, set()
@@ -96,7 +99,7 @@ class RolloutWorker:
 
     def _run_group(self, sample: dict, group_id: str, n: int, sampling: dict):
         return run_group(self.cfg.agent.mode, self.router, self.tokenizer, self.agent, sample, group_id, n,
-                         self.cfg.agent, sampling, release=self.router.release, retry=self.retry)
+                         self.agent_cfg, sampling, release=self.router.release, retry=self.retry)
 
     async def _group(self, index: int, sample: dict):
         t0 = time.time()
