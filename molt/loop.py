@@ -91,7 +91,6 @@ def train(cfg, model_dir: Path, engines, stop: threading.Event) -> None:
                 raise Interrupted(step, save(cfg, step, actor, position, model_dir) if step else None,
                                   cfg.checkpoint_dir)
             position += counts["groups"]
-            cache = fleet.cache_metrics()  # here, where a synchronous loop's engines are idle: not beside generation
             prep, metrics = learn(cfg, actor, groups, step, clock)
             with clock("sync"):  # max_lag >= 1: overlapped with the next step (its probe is reported with the next)
                 last = step + 1 == cfg.train.steps  # no credits after it: nothing starts only to be cancelled
@@ -99,7 +98,7 @@ def train(cfg, model_dir: Path, engines, stop: threading.Event) -> None:
                                    then=None if last else functools.partial(worker.grant.remote, len(groups)))
             version += 1  # the next groups start on the new weights: the credits go back once the engines serve them
             metrics |= ({} if probe is None else {"sync/probe_abs_max": probe}) | maybe_eval(cfg, worker, fleet, step)
-            metrics |= {"engine/restarts": fleet.total} | cache
+            metrics |= {"engine/restarts": fleet.total} | fleet.cache_metrics()
             report(cfg, bar, step, version, metrics, prep, groups, failed, counts, clock, actor, model_dir)
             maybe_save(cfg, actor, position, step, model_dir)  # after the log: a kill in between repeats a step
         fleet.settle()
