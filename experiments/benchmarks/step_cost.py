@@ -17,6 +17,8 @@ pieces (median of --reps repetitions after 3 warm-ups, each piece as the loop ru
 - train: Actor.train_step, and the reference GRPO step (experiments/benchmarks/reference_grpo.py) on the same batch;
 - sync: each call of a weight sync (molt/sync/reload.py): export, safetensors written, pause, reload, caches dropped and
   version set, resume; the probe (the actor's log-probs, the engine's);
+- client CPU: this process's CPU time for a step's 8 generate requests, through the EngineClient (aiohttp) and through
+  httpx (the client before it), alternating;
 - mlflow: one step's metrics (as many as a quickstart step logs) to a sqlite store, in the caller's thread and queued
   (synchronous=False, as tracking.log_metrics does); and per step when ten steps' go in one transaction, as MLflow's
   logging thread writes them (molt/tracking.py buffers a second).
@@ -144,8 +146,39 @@ async def rollout_and_sync(client, cfg, model_dir: Path, actor, reps: int) -> tu
             expected = actor.logprobs([probe], cfg.rollout.temperature)[0][1:]
         with timed(t, "sync: probe, the engine"):
             await reload.verify_sync(client, probe.token_ids, expected, cfg.engine.probe_tol)
+    t |= await client_cost(client, prompts, sampling, reps)
     await client.aclose()
     return t, counts, groups
+
+
+async def client_cost(client, prompts: list[list[int]], sampling: dict, reps: int) -> dict:
+    """This process's CPU for a step's generate requests (one per group, n samples each): through the EngineClient
+    (aiohttp), and the same requests through httpx (the client before it), alternating."""
+    import json
+
+    import httpx
+
+    from molt.rollout.engine import SERVED_NAME, _endpoint
+
+    base, uds = _endpoint(client.url)
+    sp = dict(max_tokens=TOKENS, n=N, logprobs=0, detokenize=False, **sampling)
+    http = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=uds), base_url=base, timeout=120, trust_env=False,
+                             headers={"Authorization": f"Bearer {client.api_key}"})
+
+    async def through_httpx(p):
+        r = await http.post("/inference/v1/generate", json={"token_ids": p, "sampling_params": sp, "model": SERVED_NAME})
+        return json.loads(r.text)
+
+    ways = {"EngineClient (aiohttp)": lambda p: client.generate_n(p, TOKENS, N, **sampling), "httpx": through_httpx}
+    t = {}
+    for rep in range(reps + 3):
+        for name, request in ways.items():
+            c0 = time.process_time()
+            await asyncio.gather(*(request(p) for p in prompts))
+            if rep >= 3:
+                t.setdefault(f"client CPU, 8 requests: {name}", []).append(time.process_time() - c0)
+    await http.aclose()
+    return t
 
 
 def ref_model(model_dir: Path):
