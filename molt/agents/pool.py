@@ -51,6 +51,7 @@ class RolloutWorker:
         self.stream = DataStream(load_jsonl(cfg.task.train_path), seed=cfg.seed)
         self.credits, self.wake = initial_credits, asyncio.Event()
         self.task, self.reporting = None, set()
+        self.outbox, self.sending = [], False  # finished groups not yet on the queue; a call to it in flight
 
     async def start(self, position: int = 0) -> None:
         self.stream.skip_to(position)
@@ -106,7 +107,21 @@ class RolloutWorker:
         group = await self._run_group(sample, f"g{index}", self.cfg.rollout.n, sampling_params(self.cfg.rollout))
         group.index = index
         group.timing = (t0, time.time())
-        await self.queue.put_async(("group", group))
+        await self._emit(("group", group))
+
+    async def _emit(self, item) -> None:
+        """Onto the queue; the groups that finish while a call to its actor is in flight go in the next one, together
+        (a synchronous quickstart step's 8 groups: 3-4 calls, not 8, each ~1 ms of the queue actor's CPU)."""
+        self.outbox.append(item)
+        if self.sending:
+            return
+        self.sending = True
+        try:
+            while self.outbox:
+                items, self.outbox = self.outbox, []
+                await self.queue.actor.put_nowait_batch.remote(items)  # Queue.put_nowait_batch, without blocking
+        finally:
+            self.sending = False
 
     async def evaluate(self, path: str, max_samples: int, temperature: float) -> dict:
         """Mean reward of one greedy (temperature 0) rollout per held-out sample; as reward/mean in training, failed
