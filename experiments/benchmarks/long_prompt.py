@@ -239,6 +239,7 @@ async def bench(engine, tok, args) -> list[str]:
             runs[(protocol, tokens)] = await episode(engine, tok, protocol, tokens, args.turns, args)
             lines += map(row, runs[(protocol, tokens)])
     await chat_server.stop_shared_server()
+    await engine.aclose()
     return lines + [""] + verdicts(runs)
 
 

@@ -139,6 +139,7 @@ def sampler_check(model_dir: Path, requests: int) -> str:
             replies = await asyncio.gather(*(client.generate_n(p, 4, 8, seed=random.getrandbits(48)) for p in prompts))
             out += [task.reward(tokenizer.decode(c.token_ids, skip_special_tokens=True), row["answer"])
                     for row, cs in zip(rows, replies) for c in cs]
+        await client.aclose()
         return out
 
     with launch_engines(EngineConfig(), model_dir, model_dir / "engine_logs") as servers:
