@@ -111,7 +111,8 @@ class RolloutWorker:
 
     async def _emit(self, item) -> None:
         """Onto the queue; the groups that finish while a call to its actor is in flight go in the next one, together
-        (a synchronous quickstart step's 8 groups: 2.6 calls on average, not 8; README, "The fixed cost of a step")."""
+        (a synchronous quickstart step's 8 groups: 2.6 calls on average, not 8; README, "The fixed cost of a
+        quickstart step")."""
         self.outbox.append(item)
         if self.sending:
             return
