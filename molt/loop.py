@@ -98,7 +98,9 @@ def train(cfg, model_dir: Path, engines, stop: threading.Event) -> None:
                                    then=None if last else functools.partial(worker.grant.remote, len(groups)))
             version += 1  # the next groups start on the new weights: the credits go back once the engines serve them
             metrics |= ({} if probe is None else {"sync/probe_abs_max": probe}) | maybe_eval(cfg, worker, fleet, step)
-            metrics |= {"engine/restarts": fleet.total} | fleet.cache_metrics()
+            metrics |= {"engine/restarts": fleet.total}
+            if tracking.line_due(step, cfg.train.steps, cfg.train.log_every):  # /metrics is 50 KB: read as often as the
+                metrics |= fleet.cache_metrics()  # run log's line; the hit rate covers the steps since the last read
             report(cfg, bar, step, version, metrics, prep, groups, failed, counts, clock, actor, model_dir)
             maybe_save(cfg, actor, position, step, model_dir)  # after the log: a kill in between repeats a step
         fleet.settle()

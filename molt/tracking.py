@@ -134,8 +134,13 @@ def log_metrics(metrics: dict, step: int, total: int, every: int) -> None:
     import mlflow
 
     mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step, synchronous=False)
-    if (every and step % every == 0) or step + 1 == total:
+    if line_due(step, total, every):
         log.info(f"step {step}  " + "  ".join(f"{n} {metrics[k]:.4g}" for n, k in STEP_LINE.items() if k in metrics))
+
+
+def line_due(step: int, total: int, every: int) -> bool:
+    """Whether step `step` of `total` gets a line in the run log (train.log_every = `every`)."""
+    return bool(every and step % every == 0) or step + 1 == total
 
 
 def progress(start: int, total: int):

@@ -162,12 +162,13 @@ class Actor:
 
     def adamw(self, model, lr: float) -> torch.optim.Optimizer:
         """The optimizer of a trained model: MasterAdamW (casts the model to bf16) when self.master; else AdamW,
-        fused on the GPU (one kernel for the whole update: foreach AdamW took a quarter of an MoE step there)."""
+        fused on the GPU (one kernel for the whole update: foreach AdamW took a quarter of an MoE step there) and on
+        one CPU process (the quickstart's update 0.76 -> 0.22 ms, the clip inside it)."""
         kw = dict(lr=lr, betas=tuple(self.cfg.betas), weight_decay=self.cfg.weight_decay)
         if self.master:
             return MasterAdamW(model.parameters(), compile=self.device.type == "cuda", **kw)
         on_gpu = self.device.type == "cuda" and (self.fsdp is None or self.fsdp.offload != "optimizer")
-        return torch.optim.AdamW(model.parameters(), fused=on_gpu or None, **kw)
+        return torch.optim.AdamW(model.parameters(), fused=on_gpu or (self.mesh is None) or None, **kw)
 
     def build(self, model_dir, trainable: bool, replay: bool, fresh: dict | None = None, adapters=None):
         """A model (the policy or a helper) in this actor's dtype, device and layout. Without a mesh it is loaded
@@ -298,12 +299,12 @@ class Actor:
 
     def clip_grads(self, params, optimizer=None) -> torch.Tensor:
         """Clip the global gradient norm to train.grad_clip (0 = no clipping); returns the norm before clipping.
-        With a fused `optimizer` (CUDA) the clip rides in its kernel: it divides each gradient by the optimizer's
+        With a fused `optimizer` the clip rides in its kernel: it divides each gradient by the optimizer's
         `grad_scale` (AMP's unscaling hook) in the update's own pass and stores it back, so the gradients end up
         clipped as below without one more read and write of every fp32 gradient."""
         params = list(params)
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        fused = optimizer is not None and (optimizer.defaults.get("fused") or isinstance(optimizer, MasterAdamW))
+        fused = optimizer is not None and (optimizer.param_groups[0].get("fused") or isinstance(optimizer, MasterAdamW))
         if self.mesh is None and not fused:
             return torch.nn.utils.clip_grad_norm_(params, max_norm)
         grads = optimizer.grads() if isinstance(optimizer, MasterAdamW) else [p.grad for p in params if p.grad is not None]

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import re
 import secrets
+import time
 from dataclasses import replace
 
 from molt.agents import images
@@ -51,7 +53,23 @@ async def render(tokenizer, messages: list[dict], generate, rollout_id: str, cfg
         return await _text(render_delta, tokenizer, messages, last), []
     if images.has_images(messages):
         return await _engine_prompt(generate, rollout_id, tokenizer, messages, spliced or {}, cfg)
-    return await _text(render_prompt, tokenizer, messages, spliced), []
+    return await _text(render_prompt if spliced else _first_prompt, tokenizer, messages, spliced), []
+
+
+_FIRST: dict[tuple, tuple[float, list[int]]] = {}  # (tokenizer, messages) -> (when, ids) of recent first prompts
+
+
+def _first_prompt(tokenizer, messages: list[dict], _spliced=None) -> list[int]:
+    """render_prompt of a conversation's first messages, once for the rollouts of a group that start alike (64
+    renders of a quickstart step, 8 of them different). Reused for a second at most: a template may read the clock."""
+    key, now = (id(tokenizer), json.dumps(messages, sort_keys=True, default=str)), time.monotonic()
+    when, ids = _FIRST.get(key, (-2.0, []))
+    if now - when > 1.0:
+        if len(_FIRST) > 256:
+            _FIRST.clear()
+        ids = render_prompt(tokenizer, messages)
+        _FIRST[key] = (now, ids)
+    return list(ids)
 
 
 INLINE_CHARS = 16384  # text rendered in place up to this size (a fraction of a millisecond), on a thread past it

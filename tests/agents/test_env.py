@@ -10,7 +10,7 @@ from experiments.quickstart import task
 from experiments.quickstart.task import make_env, reward, target
 from molt.agents import RESTARTS, run_group
 from molt.agents.env import run_env_rollout
-from molt.agents.render import TemplateError, render_delta, render_prompt
+from molt.agents.render import TemplateError, _first_prompt, render_delta, render_prompt
 from molt.config import AgentConfig, EngineConfig
 from molt.net import free_port
 from molt.reaper import shared_memory
@@ -80,6 +80,16 @@ def test_deltas_reproduce_the_full_template(tok):
         i = j
     full = tok.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=False)
     assert ids == tok.encode(full, add_special_tokens=False)
+
+
+def test_first_prompts_rendered_once_per_group_are_the_templates_and_each_rollouts_own(tok):
+    """The rollouts of a group share one rendering of their first messages; each gets its own list of those ids."""
+    four, five = ([{"role": "user", "content": f"Count up from {k}:"}] for k in (4, 5))
+    first = _first_prompt(tok, four)
+    assert first == render_prompt(tok, four)
+    first.append(-1)  # a rollout extends its own segment
+    assert _first_prompt(tok, four) == render_prompt(tok, four)
+    assert _first_prompt(tok, five) == render_prompt(tok, five) != render_prompt(tok, four)
 
 
 def test_delta_after_a_turn_without_eos_closes_the_turn(tok):
