@@ -97,6 +97,8 @@ def test_run_records_mlflow_metrics(first_run):
     assert run.data.params["estimator.name"] == "grpo"
     assert len(hist("eval/reward")) == 2, "eval.every=STEPS logs eval/reward at the first step and the last"
     assert sum(hist("rollout/failed")) > 0, "the flaky env raised, and the failures were counted"
+    read = sorted(m.step for m in client.get_metric_history(run.info.run_id, "engine/prefix_cache_hit_rate"))
+    assert read == [*range(0, STEPS, 2), STEPS - 1], "the engines' counters are read on the run log's steps only"
     assert "config.yaml" in [a.path for a in client.list_artifacts(run.info.run_id)]
     assert run.info.artifact_uri == (first_run / "run1" / "artifacts" / run.info.run_id / "artifacts").as_uri(), \
         "the artifacts sit beside the run's store, not in ./mlruns"
