@@ -11,7 +11,8 @@ The quickstart's workload: assets/tiny, 8 prompts x 8 samples, at most 4 new tok
 
 pieces (median of --reps repetitions after 3 warm-ups, each piece as the loop runs it):
 - rollouts: 8 groups through the rollout worker's path (Env mode, run_group over the Router), with the engine requests
-  it sent; beside it the engine alone (one seeded generate_n of 8 samples per prompt);
+  it sent; beside it the engine alone (one seeded generate_n of 8 samples per prompt; when its first reply came, and
+  its last), and one request of 64 samples of one prompt (the same batch to the engine core, all at once);
 - queue: 8 groups (their pickled size) through a Ray queue, one get per group, and in bulk as the loop pops them
   (molt/loop.py Popper);
 - train: Actor.train_step, and the reference GRPO step (experiments/benchmarks/reference_grpo.py) on the same batch;
@@ -117,8 +118,17 @@ async def rollout_and_sync(client, cfg, model_dir: Path, actor, reps: int) -> tu
                                                       cfg.agent, sampling, release=router.release) for i, s in rows))
         counts["engine requests per group"] = len(sent) / GROUPS
         prompts = [(s := g.rollouts[0].segments[0]).token_ids[:s.loss_mask.index(1)] for g in groups]
+        t0 = time.perf_counter()
+
+        async def reply(i: int, p: list[int]) -> float:
+            await real(p, TOKENS, N, seed=rep * 100 + i, **sampling)
+            return time.perf_counter() - t0
+
         with timed(t, "rollouts: the engine alone"):
-            await asyncio.gather(*(real(p, TOKENS, N, seed=rep * 100 + i, **sampling) for i, p in enumerate(prompts)))
+            done = await asyncio.gather(*(reply(i, p) for i, p in enumerate(prompts)))
+        t.setdefault("rollouts: the engine alone, its first reply", []).append(min(done))
+        with timed(t, "rollouts: one request of 64 samples, one prompt"):
+            await real(prompts[0], TOKENS, GROUPS * N, seed=rep, **sampling)
         for g in groups:
             g.index = 0
         counts["queue: pickled bytes of 8 groups"] = len(pickle.dumps(groups))
