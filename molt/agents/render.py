@@ -53,13 +53,15 @@ async def render(tokenizer, messages: list[dict], generate, rollout_id: str, cfg
         return await _text(render_delta, tokenizer, messages, last), []
     if images.has_images(messages):
         return await _engine_prompt(generate, rollout_id, tokenizer, messages, spliced or {}, cfg)
-    return await _text(render_prompt if spliced else _first_prompt, tokenizer, messages, spliced), []
+    if spliced:
+        return await _text(render_prompt, tokenizer, messages, spliced), []
+    return await _text(_first_prompt, tokenizer, messages), []
 
 
 _FIRST: dict[tuple, tuple[float, list[int]]] = {}  # (tokenizer, messages) -> (when, ids) of recent first prompts
 
 
-def _first_prompt(tokenizer, messages: list[dict], _spliced=None) -> list[int]:
+def _first_prompt(tokenizer, messages: list[dict]) -> list[int]:
     """render_prompt of a conversation's first messages, once for the rollouts of a group that start alike (64
     renders of a quickstart step, 8 of them different). Reused for a second at most: a template may read the clock."""
     key, now = (id(tokenizer), json.dumps(messages, sort_keys=True, default=str)), time.monotonic()

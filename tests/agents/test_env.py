@@ -10,6 +10,7 @@ from experiments.quickstart import task
 from experiments.quickstart.task import make_env, reward, target
 from molt.agents import RESTARTS, run_group
 from molt.agents.env import run_env_rollout
+import molt.agents.render as rendering
 from molt.agents.render import TemplateError, _first_prompt, render_delta, render_prompt
 from molt.config import AgentConfig, EngineConfig
 from molt.net import free_port
@@ -82,14 +83,17 @@ def test_deltas_reproduce_the_full_template(tok):
     assert ids == tok.encode(full, add_special_tokens=False)
 
 
-def test_first_prompts_rendered_once_per_group_are_the_templates_and_each_rollouts_own(tok):
+def test_first_prompts_rendered_once_per_group_are_the_templates_and_each_rollouts_own(tok, monkeypatch):
     """The rollouts of a group share one rendering of their first messages; each gets its own list of those ids."""
-    four, five = ([{"role": "user", "content": f"Count up from {k}:"}] for k in (4, 5))
+    rendered = []
+    monkeypatch.setattr(rendering, "render_prompt", lambda *a: rendered.append(a) or render_prompt(*a))
+    four, five = ([{"role": "user", "content": f"Count up from {k}, once:"}] for k in (4, 5))
     first = _first_prompt(tok, four)
     assert first == render_prompt(tok, four)
     first.append(-1)  # a rollout extends its own segment
     assert _first_prompt(tok, four) == render_prompt(tok, four)
     assert _first_prompt(tok, five) == render_prompt(tok, five) != render_prompt(tok, four)
+    assert len(rendered) == 2, "one rendering per distinct first messages"
 
 
 def test_delta_after_a_turn_without_eos_closes_the_turn(tok):
