@@ -37,12 +37,10 @@ def task(cfg: DictConfig) -> None:
         return
     from molt.cluster import allocation
     from molt.loop import Interrupted, run  # heavy imports (torch, vllm, ray) only for a real run
-    from molt.tracking import TERMINATED
+    from molt.tracking import TERMINATED, on_sigterm
     from molt.types import EngineDied
 
-    # SIGTERM (a scheduler, `kill`) unwinds like Ctrl-C, so every `finally` stops what it started,
-    # engines included, even while they are still starting
-    signal.signal(signal.SIGTERM, lambda *_: (TERMINATED.append(signal.SIGTERM), sys.exit(128 + signal.SIGTERM)))
+    signal.signal(signal.SIGTERM, on_sigterm)  # unwinds like Ctrl-C, engines that are still starting included
     logging.captureWarnings(True)  # Python warnings go to the run log too
     try:
         with allocation(cfg) as runs_the_loop:  # on Slurm: Ray on every task, the loop on task 0

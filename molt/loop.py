@@ -82,6 +82,7 @@ def train(cfg, model_dir: Path, engines, stop: threading.Event) -> None:
         ray.get(worker.start.remote(position))
         bar, clock = tracking.progress(version, cfg.train.steps), Clock()
         for step in bar:
+            tracking.exit_if_terminated()  # a SIGTERM a library swallowed stops the run here at the latest
             failed = []  # this step's failed rollouts, not trained, shown on its page
             with clock("wait"):
                 fleet.check()  # engines that died or failed a request: replaced here, and while the queue stays empty
@@ -123,6 +124,7 @@ def replay(cfg, model_dir: Path, stop: threading.Event) -> None:
         cfg.train.steps = version + len(entries) - position
     bar, clock = tracking.progress(version, cfg.train.steps), Clock()
     for step in bar:
+        tracking.exit_if_terminated()
         if stop.is_set():  # Ctrl-C: stop between two steps
             raise Interrupted(step, save(cfg, step, actor, position, model_dir) if step else None, cfg.checkpoint_dir)
         with clock("wait"):
@@ -288,6 +290,7 @@ class Popper:
         """The next item; blocks on the queue, replacing engines that die meanwhile (or stopping the run:
         engine.max_restarts) every 2 s without one; ("stop", None) once `stop` is set (Ctrl-C)."""
         while not self.held:
+            tracking.exit_if_terminated()
             if stop is not None and stop.is_set():
                 return "stop", None
             with contextlib.suppress(Empty):

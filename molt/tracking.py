@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -20,10 +21,26 @@ from tqdm import tqdm
 
 log = logging.getLogger(__name__)
 # what a step's line shows (name in the line: MLflow key); `eval` only on the steps that evaluated
-TERMINATED: list[int] = []  # the termination signal the driver received (cli.py), whatever exception it became
 STEP_LINE = {"reward": "reward/mean", "eval": "eval/reward", "loss": "loss/policy",
              "mismatch": "mismatch/logprob_abs_max", "stale": "staleness/mean", "failed": "rollout/failed",
              "tok/s": "throughput/tokens_per_s", "s/step": "time/step"}
+TERMINATED: list[int] = []  # the termination signal the driver received (cli.py), whatever exception it became
+
+
+def on_sigterm(signum: int, _frame) -> None:
+    """The driver's SIGTERM handler (cli.py): a scheduler's or `kill`'s SIGTERM unwinds like Ctrl-C, so every
+    `finally` stops what it started, engines included, even while they are still starting."""
+    TERMINATED.append(signum)
+    sys.exit(128 + signum)
+
+
+def exit_if_terminated() -> None:
+    """SystemExit again where the driver waits or starts a step, if a SIGTERM came. Python runs a signal handler
+    wherever the main thread is, and an exception it raises inside a weakref callback or a __del__ is printed
+    ("Exception ignored in ...") and dropped: SQLAlchemy's `_collection_gced`, as MLflow created its tables, swallowed
+    one, and the run trained on to its end (tests/test_loop.py)."""
+    if TERMINATED:
+        sys.exit(128 + TERMINATED[0])
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

@@ -36,6 +36,7 @@ from molt.config import EngineConfig
 from molt.net import free_port, on_task
 from molt.reaper import SHM_LIST, private_env, private_tmp, shared_memory, unlink
 from molt.rollout import routes
+from molt.tracking import exit_if_terminated
 from molt.types import Completion, EngineDied
 
 SERVED_NAME = "policy"  # what every request names; under engine.sync=adapter the LoRA adapter, over BASE_NAME
@@ -201,6 +202,7 @@ class EngineServer:
     def wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            exit_if_terminated()  # a SIGTERM a library swallowed (molt/tracking.py)
             if not self.alive():
                 raise RuntimeError(f"engine {self.name} exited (code {self.proc.returncode}) before it was healthy; "
                                    f"last lines of {self.log_path}:\n{_log_tail(self.log_path)}")
