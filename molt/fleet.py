@@ -11,9 +11,9 @@ the caller goes on training; `then` runs once every engine serves the version, a
 waits for it and returns its probe. It keeps the last weights it sent (a restarted engine gets them) until the next.
 
 An engine dies when its process exits or the rollout worker sees it fail (a refused or reset connection, a 5xx,
-a timeout: EngineDied; the worker reports it on `fleet.reports`). It is restarted from config on its own socket
-or port, given the current weights and version, verified with the log-prob probe and handed back to the worker
-(`engine_up`), which starts the rollouts that were on it again (molt/agents/pool.py). More than
+a timeout: EngineDied; the loop hands the worker's reports to `fleet.reported`). It is restarted from config on its
+own socket or port, given the current weights and version, verified with the log-prob probe and handed back to the
+worker (`engine_up`), which starts the rollouts that were on it again (molt/agents/pool.py). More than
 engine.max_restarts restarts within engine.restart_window_s stop the run with EngineDied.
 """
 from __future__ import annotations
@@ -24,10 +24,8 @@ import logging
 import threading
 import time
 from collections import deque
-from queue import Empty
 
 import ray
-from ray.util.queue import Queue
 
 from molt.net import free_port, node_address
 from molt.rollout.features import engine_features
@@ -50,7 +48,7 @@ class Fleet:
         self.restarts: deque[float] = deque()  # when, within the window
         self.total = 0
         self.cache: dict[str, tuple[float, float]] = {}  # prefix-cache (hits, lookups) counters at the last step
-        self.reports = Queue()  # (name, incarnation) of an engine the worker saw fail
+        self.reported: deque[tuple[str, int]] = deque()  # (name, incarnation) of an engine the worker saw fail
         self.worker = None  # the rollout worker, told when an engine is back
         self.joined = False  # engine.sync=nccl: the actor and the engines form the weight-transfer group
         self.sent = None  # self.version's weights and expected probe log-probs while the actor may have moved on
@@ -130,11 +128,8 @@ class Fleet:
         was replaced already (a sync in flight settles first: it may be the one that replaces it)."""
         dead = {name: (self.epoch[name], f"the engine process exited (code {server.exit_code()})")
                 for name, server in self.servers.items() if not server.alive()}
-        while True:
-            try:
-                name, epoch = self.reports.get_nowait()
-            except Empty:
-                break
+        while self.reported:
+            name, epoch = self.reported.popleft()
             if epoch == self.epoch[name]:
                 dead.setdefault(name, (epoch, "a request to it failed (see the engine log)"))
         if dead:
@@ -188,6 +183,8 @@ class Fleet:
     def wait(self, ref):
         """ray.get(ref), restarting engines that die meanwhile (the worker's rollouts wait for them)."""
         while not ray.wait([ref], timeout=2.0)[0]:
+            if self.worker is not None:
+                self.reported.extend(ray.get(self.worker.downs.remote()))
             self.check()
         return ray.get(ref)
 

@@ -1,8 +1,8 @@
-"""The main job: one asynchronous RL loop over vLLM engines, a Ray queue and the policy actor.
+"""The main job: one asynchronous RL loop over vLLM engines, a rollout worker and the policy actor.
 
     python -m molt experiment=quickstart
 
-Rollout workers generate groups into a Ray queue while the actor trains; after every optimizer
+The rollout worker generates groups, which the loop takes over Ray, while the actor trains; after every optimizer
 step the weights go to the engines (verified with a log-prob probe) and the worker gets back a
 credit for every group it trained (after the sync) or dropped (at once), which bounds staleness
 by `rollout.max_lag`.
@@ -20,14 +20,12 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
-from queue import Empty
 
 import mlflow
 import ray
 import torch
 from ray._private import ray_constants
 from omegaconf import OmegaConf
-from ray.util.queue import Queue
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from molt import checkpoint, cluster, dump, guards, net, reaper, tracking, view
@@ -73,9 +71,9 @@ def train(cfg, model_dir: Path, engines, stop: threading.Event) -> None:
     actor = make_actor(cfg, model_dir)  # while the engines start (their start is mostly one core importing vLLM)
     with Fleet(engines, cfg, actor) as fleet:  # syncs engines, replaces those that die; closed however the run ends
         version, position = restore(cfg, actor)
-        queue, popper = Queue(), Popper()
+        popper = Popper()
         fleet.worker = worker = RolloutWorker.options(**net.on_task(0)).remote(  # its process starts meanwhile too
-            cfg, list(fleet.clients.values()), queue, str(model_dir), credits(cfg), fleet.reports)
+            cfg, list(fleet.clients.values()), str(model_dir), credits(cfg), retry=True)
         wait_ready(engines, cfg.engine.startup_timeout_s)
         if version or cfg.engine.sync == "adapter":  # the engines serve the initial weights (adapter: not the policy)
             fleet.sync(version)
@@ -85,8 +83,8 @@ def train(cfg, model_dir: Path, engines, stop: threading.Event) -> None:
             tracking.exit_if_terminated()  # a SIGTERM a library swallowed stops the run here at the latest
             failed = []  # this step's failed rollouts, not trained, shown on its page
             with clock("wait"):
-                fleet.check()  # engines that died or failed a request: replaced here, and while the queue stays empty
-                groups, counts = collect(lambda: popper.pop(queue, fleet, stop), cfg, version, worker.grant.remote,
+                fleet.check()  # engines that died or failed a request: replaced here, and while no group comes
+                groups, counts = collect(lambda: popper.pop(worker, fleet, stop), cfg, version, worker.grant.remote,
                                          failed)
             if groups is None:  # Ctrl-C: stop between two steps, where the state is consistent
                 raise Interrupted(step, save(cfg, step, actor, position, model_dir) if step else None,
@@ -279,26 +277,24 @@ _RAY_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTE
 
 
 class Popper:
-    """Items of the queue, one at a time, fetched in bulk: every item the queue holds in three calls to its actor, not
-    one per item (a quickstart step's 8 groups: 3.1 ms, not 7.8; experiments/benchmarks/step_cost.py). What one step
-    leaves is the next one's."""
+    """The rollout worker's finished items, one at a time, fetched in bulk: all it holds in one call
+    (RolloutWorker.take), with the engines it saw failing. What one step leaves is the next one's."""
 
     def __init__(self):
         self.held: deque = deque()
 
-    def pop(self, queue, fleet: Fleet, stop: threading.Event | None = None):
-        """The next item; blocks on the queue, replacing engines that die meanwhile (or stopping the run:
+    def pop(self, worker, fleet: Fleet, stop: threading.Event | None = None):
+        """The next item; waits for the worker's next one, replacing engines that die meanwhile (or stopping the run:
         engine.max_restarts) every 2 s without one; ("stop", None) once `stop` is set (Ctrl-C)."""
         while not self.held:
             tracking.exit_if_terminated()
             if stop is not None and stop.is_set():
                 return "stop", None
-            with contextlib.suppress(Empty):
-                self.held.append(queue.get(timeout=2.0))
-                more = queue.qsize()  # only this process takes items: they can only have grown since
-                self.held.extend(queue.get_nowait_batch(more) if more else ())
-                break
-            fleet.check()
+            items, down = ray.get(worker.take.remote(2.0))
+            self.held.extend(items)
+            fleet.reported.extend(down)
+            if not self.held:
+                fleet.check()
         return self.held.popleft()
 
 

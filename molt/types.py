@@ -23,7 +23,7 @@ class Image:
     """One image of a segment, aligned to its token_ids (molt/agents/images.py renders, molt/actor/vision.py reads).
 
     The actor gets the encoded source image, not pixels: it re-runs the model's HF image processor on `data`, as the
-    engine did (a PNG/JPEG is 10-100x smaller than its fp32 pixel tensor on the Ray queue; README "Images").
+    engine did (a PNG/JPEG is 10-100x smaller than its fp32 pixel tensor on its way to the loop; README "Images").
     """
 
     offset: int  # first image token in token_ids (the engine's placeholder, less any marker tokens around it)

@@ -13,8 +13,8 @@ pieces (median of --reps repetitions after 3 warm-ups, each piece as the loop ru
 - rollouts: 8 groups through the rollout worker's path (Env mode, run_group over the Router), with the engine requests
   it sent; beside it the engine alone (one seeded generate_n of 8 samples per prompt; when its first reply came, and
   its last), and one request of 64 samples of one prompt (the same batch to the engine core, all at once);
-- queue: 8 groups (their pickled size) through a Ray queue, one get per group, and in bulk as the loop pops them
-  (molt/loop.py Popper);
+- handoff: a step's 8 groups (their pickled size) from the rollout worker to the loop, through a Ray queue as before,
+  and held by the worker until the loop takes them (RolloutWorker.take, as molt/loop.py Popper does);
 - train: Actor.train_step, and the reference GRPO step (experiments/benchmarks/reference_grpo.py) on the same batch;
 - sync: each call of a weight sync (molt/sync/reload.py): export, safetensors written, pause, reload, caches dropped and
   version set, resume; the probe (the actor's log-probs, the engine's);
@@ -131,7 +131,7 @@ async def rollout_and_sync(client, cfg, model_dir: Path, actor, reps: int) -> tu
             await real(prompts[0], TOKENS, GROUPS * N, seed=rep, **sampling)
         for g in groups:
             g.index = 0
-        counts["queue: pickled bytes of 8 groups"] = len(pickle.dumps(groups))
+        counts["handoff: pickled bytes of 8 groups"] = len(pickle.dumps(groups))
         prep = prepare(groups, cfg, actor)
         with timed(t, "train: Actor.train_step"):
             actor.train_step(prep.segments, prep.advantages, cfg.rollout.temperature)
@@ -197,26 +197,33 @@ def ref_model(model_dir: Path):
     return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
 
 
-def queue_cost(groups, reps: int) -> dict:
+def handoff_cost(groups, reps: int, cfg, client, model_dir: Path) -> dict:
+    """A step's 8 finished groups from the rollout worker to the loop: through a Ray queue, as the loop took them
+    before (the worker's put of the 8, then a get, qsize and get_nowait_batch), and held by the worker until the loop
+    takes them (RolloutWorker.take, one call; the worker's side is a list append)."""
     import ray
+    from omegaconf import OmegaConf
     from ray.util.queue import Queue
 
-    from molt.loop import Popper
+    from molt.agents.pool import RolloutWorker
 
+    cfg = OmegaConf.merge(cfg, {"output_dir": tempfile.gettempdir()})  # plain values, as the loop hands it over
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        q, t = Queue(), {}
+        q, worker, t = Queue(), RolloutWorker.remote(cfg, [client], str(model_dir), 0), {}
+        items = [("group", g) for g in groups]
         for rep in range(reps + 3):
             t = {} if rep == 3 else t
-            q.put_nowait_batch([("group", g) for g in groups])
-            with timed(t, "queue: 8 gets"):
-                for _ in groups:
-                    q.get(timeout=10)
-            q.put_nowait_batch([("group", g) for g in groups])
-            with timed(t, "queue: 8 pops in bulk (Popper)"):
-                popper = Popper()
-                for _ in groups:
-                    popper.pop(q, None)
+            with timed(t, "handoff: 8 groups, a Ray queue (before)"):
+                q.put_nowait_batch(items)
+                got = [q.get(timeout=10)]
+                got += q.get_nowait_batch(q.qsize())
+            for item in items:
+                ray.get(worker._emit.remote(item))
+            with timed(t, "handoff: 8 groups, RolloutWorker.take"):
+                took, _ = ray.get(worker.take.remote(10.0))
+            assert len(got) == len(took) == len(items)
         return t
     finally:
         ray.shutdown()
@@ -258,7 +265,7 @@ def pieces(reps: int) -> None:
     actor = Actor(model_dir, cfg.train)  # train.num_threads=1, as the quickstart's actor
     with tempfile.TemporaryDirectory() as logs, launch_engines(cfg.engine, model_dir, logs) as servers:
         t, counts, groups = asyncio.run(rollout_and_sync(servers[0].client(), cfg, model_dir, actor, reps))
-    t |= queue_cost(groups, reps) | mlflow_cost(reps)
+        t |= handoff_cost(groups, reps, cfg, servers[0].client(), model_dir) | mlflow_cost(reps)
     print(f"\npieces of a quickstart step (median of {reps})")
     for name, xs in t.items():
         print(f"  {name:44s} {ms(xs)}")

@@ -1,18 +1,20 @@
 """The rollout worker: a Ray actor running an asyncio pool of agent rollouts (either agent mode, molt/agents/).
 
-It keeps prompt groups in flight and puts every finished group on the Ray queue while the
-actor trains. Admission is by credits: it starts a group only while it holds a credit; the
-loop hands a credit back for every group it popped, after the weight sync that follows.
-So at most (max_lag + 1) * groups_per_step groups exist between two syncs, which bounds how
-stale a trained token can be (max_lag=0 is synchronous on-policy RL).
+It keeps prompt groups in flight and holds every finished group until the loop takes it (`take`: one Ray call
+for all it holds) while the actor trains. Admission is by credits: it starts a group only while it holds a credit;
+the loop hands a credit back for every group it popped, after the weight sync that follows. So at most
+(max_lag + 1) * groups_per_step groups exist between two syncs, which bounds how stale a trained token can be
+(max_lag=0 is synchronous on-policy RL).
 
-Engines that die: the router reports an engine's first failure, as (name, incarnation) on the `reports` queue;
-the driver replaces it (molt/fleet.py; or stops the run past engine.max_restarts) and calls `engine_up`; the
-rollouts that were on it start again from scratch, those not yet started wait for a live engine.
+Engines that die: the router reports an engine's first failure, as (name, incarnation), and the loop takes the
+reports with the groups (or with `downs` while it evaluates); the driver replaces the engine (molt/fleet.py; or
+stops the run past engine.max_restarts) and calls `engine_up`; the rollouts that were on it start again from
+scratch, those not yet started wait for a live engine.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import time
 import traceback
@@ -37,11 +39,11 @@ def sampling_params(rollout_cfg, temperature=None) -> dict:
 
 @ray.remote(num_cpus=0)
 class RolloutWorker:
-    def __init__(self, cfg, engines: list[EngineClient], queue, model_dir: str, initial_credits: int, reports=None):
+    def __init__(self, cfg, engines: list[EngineClient], model_dir: str, initial_credits: int, retry: bool = False):
         from transformers import AutoTokenizer
 
-        self.cfg, self.queue = cfg, queue
-        self.reports, self.retry = reports, reports is not None  # the driver replaces dead engines: retry rollouts
+        self.cfg = cfg
+        self.retry = retry  # the driver replaces dead engines: rollouts on one start again
         # clients pickle as (name, url, timeout, key): fresh connections here
         self.router = Router(engines, seed=cfg.rollout.seed, on_down=self._engine_down if self.retry else None,
                              sticky=cfg.rollout.sticky)
@@ -50,8 +52,9 @@ class RolloutWorker:
         self.agent_cfg = AgentConfig(**OmegaConf.to_container(cfg.agent))  # read per turn: plain attributes are cheap
         self.stream = DataStream(load_jsonl(cfg.task.train_path), seed=cfg.seed)
         self.credits, self.wake = initial_credits, asyncio.Event()
-        self.task, self.reporting = None, set()
-        self.outbox, self.sending = [], False  # finished groups not yet on the queue; a call to it in flight
+        self.task = None
+        self.outbox, self.down = [], []  # finished groups (or an error), engines seen failing: not taken yet
+        self.ready = asyncio.Event()
 
     async def start(self, position: int = 0) -> None:
         self.stream.skip_to(position)
@@ -71,9 +74,13 @@ class RolloutWorker:
             await asyncio.wait(tasks, timeout=STOP_S)
 
     def _engine_down(self, name: str, epoch: int) -> None:
-        report = asyncio.get_running_loop().create_task(self.reports.put_async((name, epoch)))
-        self.reporting.add(report)  # the event loop keeps only a weak reference to a task
-        report.add_done_callback(self.reporting.discard)
+        self.down.append((name, epoch))
+        self.ready.set()
+
+    async def downs(self) -> list[tuple[str, int]]:
+        """The engines seen failing since the last take (or call), as (name, incarnation)."""
+        down, self.down = self.down, []
+        return down
 
     async def engine_up(self, name: str) -> None:
         await self.router.up(name)
@@ -94,7 +101,7 @@ class RolloutWorker:
                     t.result()  # an engine failure surfaces here
         except Exception as e:  # report to the loop, which shuts everything down
             err = e if isinstance(e, EngineDied) else RuntimeError(f"rollout worker failed:\n{traceback.format_exc()}")
-            await self.queue.put_async(("error", err))
+            self._emit(("error", err))
             for t in inflight:
                 t.cancel()
 
@@ -107,22 +114,23 @@ class RolloutWorker:
         group = await self._run_group(sample, f"g{index}", self.cfg.rollout.n, sampling_params(self.cfg.rollout))
         group.index = index
         group.timing = (t0, time.time())
-        await self._emit(("group", group))
+        self._emit(("group", group))
 
-    async def _emit(self, item) -> None:
-        """Onto the queue; the groups that finish while a call to its actor is in flight go in the next one, together
-        (a synchronous quickstart step's 8 groups: 2.6 calls on average, not 8; README, "The fixed cost of a
-        quickstart step")."""
+    def _emit(self, item) -> None:
         self.outbox.append(item)
-        if self.sending:
-            return
-        self.sending = True
-        try:
-            while self.outbox:
-                items, self.outbox = self.outbox, []
-                await self.queue.actor.put_nowait_batch.remote(items)  # Queue.put_nowait_batch, without blocking
-        finally:
-            self.sending = False
+        self.ready.set()
+
+    async def take(self, timeout_s: float) -> tuple[list, list[tuple[str, int]]]:
+        """Every finished item (("group", g), or ("error", e)) and every engine seen failing, not taken yet, once
+        there is one or after timeout_s: the loop's one call per batch of groups (molt/loop.py Popper). Ray queues
+        between the two cost a call to put, calls to get, and processes that copied every group twice (README, "The
+        fixed cost of a quickstart step")."""
+        if not self.outbox and not self.down:
+            self.ready.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.ready.wait(), timeout_s)
+        items, self.outbox = self.outbox, []
+        return items, await self.downs()
 
     async def evaluate(self, path: str, max_samples: int, temperature: float) -> dict:
         """Mean reward of one greedy (temperature 0) rollout per held-out sample; as reward/mean in training, failed

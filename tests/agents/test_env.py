@@ -370,3 +370,43 @@ def test_quickstart_rollouts_score_the_decoded_engine_ids(router, tok):
         gen = [t for t, m in zip(seg.token_ids, seg.loss_mask) if m]
         assert 1 <= len(gen) <= AgentConfig().max_tokens_per_turn
         assert r.reward == task.reward(tok.decode(gen, skip_special_tokens=True), "7890")
+
+
+def test_the_worker_hands_over_every_group_it_finished_and_each_engine_it_saw_fail(tiny_engine, model_dir, tmp_path):
+    """The rollout worker as the loop drives it (molt/agents/pool.py): a group per credit, every finished one taken
+    (RolloutWorker.take, one Ray call for all it holds), none twice; a take without any returns empty at its timeout,
+    and an engine the router saw fail wakes a waiting take at once."""
+    import time
+
+    import ray
+    from omegaconf import OmegaConf
+
+    from molt.agents.pool import RolloutWorker
+    from molt.loop import ray_session
+    from molt.reaper import private_tmp
+    from tests.test_config import compose
+
+    cfg = OmegaConf.create(OmegaConf.to_container(compose("experiment=quickstart", "rollout.seed=0", f"output_dir={tmp_path}"),
+                                                 resolve=True))
+    with private_tmp() as tmp, ray_session(tmp):
+        worker = RolloutWorker.remote(cfg, [tiny_engine.client(60.0)], str(model_dir), 3, retry=True)
+        ray.get(worker.start.remote(0))
+        taken = []
+        while len(taken) < 3:
+            items, down = ray.get(worker.take.remote(60.0))
+            assert items and down == [], "a take returns once it has something"
+            taken += items
+        assert [kind for kind, _ in taken] == ["group"] * 3, taken
+        assert len({g.index for _, g in taken}) == 3 and all(len(g.rollouts) == cfg.rollout.n for _, g in taken)
+        t0 = time.monotonic()
+        assert ray.get(worker.take.remote(0.5)) == ([], []), "no credit left: nothing more, and nothing again"
+        assert time.monotonic() - t0 >= 0.5
+        waiting = worker.take.remote(60.0)
+        t0 = time.monotonic()
+        ray.get(worker._engine_down.remote("engine0", 0))  # what the router calls on a failed request
+        assert ray.get(waiting) == ([], [("engine0", 0)]) and time.monotonic() - t0 < 10
+        ray.get(worker.grant.remote(1))
+        items, _ = ray.get(worker.take.remote(60.0))
+        assert [kind for kind, _ in items] == ["group"] and items[0][1].index not in {g.index for _, g in taken}
+        ray.get(worker.stop.remote())
+        ray.kill(worker)
