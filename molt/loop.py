@@ -228,7 +228,7 @@ def ranked(cfg) -> bool:
 
 @contextlib.contextmanager
 def ray_session(tmp: str):
-    """A local Ray instance of our own, reachable only by this user: token auth with a per-run token (in the
+    """A local Ray instance of our own, reachable only by this user: token auth with a per-process token (in the
     environment of its processes, never written to disk), every listener on loopback, and its session directory
     (sockets, logs) inside `tmp`, a 0700 directory (molt/reaper.py private_tmp). A Slurm launcher connects to its
     cluster instead."""
@@ -238,7 +238,7 @@ def ray_session(tmp: str):
         ray.init(address=os.environ["MOLT_RAY_ADDRESS"], log_to_driver=True)
     elif started:
         os.environ.setdefault("RAY_AUTH_MODE", "token")
-        os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+        os.environ.setdefault("RAY_AUTH_TOKEN", _TOKEN)
         # Ray moves a node off loopback (`_node_ip_address="127.0.0.1"` included) unless it believes clusters are
         # off, as on macOS: then every Ray server binds 127.0.0.1. Ray reads the variable when it is imported, so the
         # driver's copy of it is set too (ray_constants.ENABLE_RAY_CLUSTER); its processes read the variable
@@ -274,6 +274,9 @@ def _restore(saved: dict) -> None:
 
 
 _RAY_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")  # ray_session sets them
+# One per process: Ray's token loader keeps the first token it read, so the next session in this process (a local
+# sweep's next job) must use it too, or its driver is refused by its own cluster
+_TOKEN = secrets.token_hex(32)
 
 
 class Popper:

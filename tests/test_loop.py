@@ -377,6 +377,20 @@ def test_a_killed_engine_is_replaced_and_a_death_past_the_limit_stops_the_run(tm
         "the last checkpoint is intact"
 
 
+def test_a_local_sweep_trains_each_job_in_one_process(tmp_path, run_tmp):
+    """`molt -m` without Slurm: Hydra runs the jobs one after the other in one process, each with a Ray instance of its
+    own. The second job's driver was refused by its own Ray (InvalidAuthToken): Ray keeps the first token a process
+    read, and every session made a new one."""
+    out = molt("-m", "experiment=quickstart", "train.steps=2", "train.groups_per_step=4", "rollout.n=2,4",
+               "eval.every=0", f"hydra.sweep.dir={tmp_path}", f"checkpoint_dir={tmp_path}/ckpt${{hydra:job.num}}",
+               tmpdir=run_tmp)
+    assert out.returncode == 0, out.stderr[-3000:]
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert sorted((r.data.params["rollout.n"], r.info.status) for r in runs) == [("2", "FINISHED"), ("4", "FINISHED")]
+    assert all(len(client.get_metric_history(r.info.run_id, "reward/mean")) == 2 for r in runs)
+
+
 def test_chat_agent_mode_trains_through_the_loop(tmp_path):
     """agent=chat end to end: the openai-SDK calculator agent, served by the loopback server, trained on-policy."""
     out = molt("experiment=calculator", "train.steps=2", "train.groups_per_step=2", "rollout.n=4",
