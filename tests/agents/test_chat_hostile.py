@@ -11,6 +11,7 @@ import io
 import json
 import socket
 import struct
+import statistics
 import threading
 import time
 import zlib
@@ -114,33 +115,37 @@ def test_malformed_tool_result_is_a_400_and_fails_only_its_rollout(loop, tok, co
 
 def test_size_limit_and_large_requests_do_not_stall_other_sessions(tok, open_):
     """Item 2: a body over agent.max_request_bytes gets 413 at once; one just under it (rendered and tokenized on a
-    thread, then refused for the context budget) leaves another session's latency unaffected."""
+    thread, then refused for the context budget) leaves another session answered all along. The other session's
+    requests go one after another: had the event loop waited for the render, at most one of them would have been
+    sent and answered inside the big request. Not its largest latency: once, a busy 2-core machine (the suite's
+    other worker) held one of them for 1.6 s of a 2.8 s render (idle: at most 0.08 s of 1.1 s)."""
     cfg = AgentConfig(mode="chat", max_turns=10**6, max_tokens_per_turn=4, max_total_tokens=256, max_request_bytes=2**21)
     big, small = open_(Scripted([tok.encode("ok")]), cfg), open_(Scripted([tok.encode("ok")]), cfg)
     t0 = time.perf_counter()
     r = oai(big, dict(OK_OAI, messages=[{"role": "user", "content": "word " * 500_000}]))
     assert r.status_code == 413 and r.json()["error"]["message"].startswith("the request is larger than")
     assert time.perf_counter() - t0 < 2.0
-    latencies, done = [], threading.Event()
+    spans, done = [], threading.Event()
 
     def chatter():
         while not done.is_set():
             t = time.perf_counter()
             assert oai(small, OK_OAI).status_code == 200
-            latencies.append(time.perf_counter() - t)
+            spans.append((t, time.perf_counter()))
 
     thread = threading.Thread(target=chatter)
     thread.start()
     time.sleep(0.3)
     t0 = time.perf_counter()
     r = oai(big, dict(OK_OAI, messages=[{"role": "user", "content": "word " * 400_000}]))  # 2 MB, 800k tokens
-    slow = time.perf_counter() - t0
+    t1 = time.perf_counter()
     done.set()
     thread.join(30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-    during = latencies[2:]  # the ones sent while the big request was being rendered
-    print(f"\nbig request {slow:.2f} s; other session: {len(latencies)} requests, max {max(during):.3f} s")
-    assert len(during) >= 5 and max(during) < max(0.5, slow / 4)
+    inside = [end - start for start, end in spans if t0 <= start and end <= t1]
+    print(f"\nbig request {t1 - t0:.2f} s; other session: {len(inside)} requests inside it, "
+          f"median {statistics.median(inside or [0]):.3f} s, max {max(inside or [0]):.3f} s")
+    assert len(inside) >= 5 and statistics.median(inside) < 0.25
 
 
 def _specials(ids):
