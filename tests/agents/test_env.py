@@ -319,8 +319,8 @@ def test_rollouts_whose_engine_dies_start_again_from_scratch(model_dir, tok, tmp
 
         async def main():
             task = asyncio.create_task(group("g9"))
-            while not sum(router.inflight.values()):
-                await asyncio.sleep(0.005)
+            while sum(router.inflight.values()) < 4:  # all four: each renders its prompt in a thread first, and one
+                await asyncio.sleep(0.005)  # that asks after the engine is reported down is held, not started again
             segments.update(shared_memory(group_pids(server.proc.pid)))
             os.killpg(server.proc.pid, signal.SIGKILL)  # the API server and its EngineCore
             while group_pids(server.proc.pid):
