@@ -50,7 +50,18 @@ async def paused(clients: list[EngineClient], version: int, pause_mode: str = "w
     weights computed the cached KV and vision encoder outputs) and the weights labelled `version`; they are resumed
     whatever happened. pause_mode (engine.pause_mode): wait lets the requests in flight finish on the old weights
     first; keep freezes them (dropping the caches preempts them: their KV is computed again) and they go on under the
-    new ones, their later tokens labelled `version`."""
+    new ones, their later tokens labelled `version`. pause_mode None: the caller knows the engines idle until it
+    returns (the synchronous loop: every group it gave credits for came back); no step runs between two calls then,
+    so the engines are not paused, and the caches' drop and the label go out beside the update."""
+    if pause_mode is None:
+        dropped = asyncio.gather(*(c.drop_caches() for c in clients), *(c.set_version(version) for c in clients))
+        try:
+            yield
+        except BaseException:
+            dropped.cancel()
+            raise
+        await dropped
+        return
     await asyncio.gather(*(c.pause(pause_mode) for c in clients))
     try:
         yield

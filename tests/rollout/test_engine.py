@@ -176,6 +176,35 @@ def test_weight_sync_reload(engine, hf_model, tmp_path):
 
 
 @pytest.mark.usefixtures("restores_weights")
+def test_an_idle_sync_is_not_paused_yet_serves_labels_and_uncaches_like_a_paused_one(engine, hf_model, tmp_path):
+    """pause_mode None (the synchronous loop: nothing runs on the engine): no pause, the caches' drop and the label
+    sent beside the reload. Afterwards the engine agrees with the new weights, labels its tokens with the version,
+    and a prompt whose KV the old weights cached (300 tokens, whole blocks of 16 or 128, generated twice before) is
+    computed again."""
+    sd = {k: v.clone() for k, v in hf_model.state_dict().items()}
+    sd["model.layers.0.self_attn.v_proj.weight"] *= 1.5  # changes the cached KV itself
+    new_model = copy.deepcopy(hf_model)
+    new_model.load_state_dict(sd)
+    prompt = (PROMPT * 40)[:300]
+
+    async def main():
+        c = engine.client()
+        version = await c.version() + 1
+        for _ in range(2):  # the second one hits the prefix cache the first one filled
+            await c.generate(prompt, max_tokens=4)
+        await sync_weights([c], sd, version, tmp_path, pause_mode=None)
+        diff = await verify_sync(c, PROBE, hf_logprobs(new_model, PROBE).tolist(), tol=1e-4)
+        out = await c.generate(prompt, max_tokens=8)
+        await c.aclose()
+        return version, diff, out
+
+    version, diff, out = run(main())
+    assert diff < 1e-4 and out.version == version and set(out.token_versions) == {version}
+    assert max_diff(out.logprobs, hf_logprobs(new_model, prompt + out.token_ids)[-len(out.token_ids):]) < 1e-4
+    assert list(tmp_path.iterdir()) == [], "the sync directory was not deleted"
+
+
+@pytest.mark.usefixtures("restores_weights")
 def test_pause_keep_labels_each_token_with_the_weights_that_sampled_it(engine, hf_model, tmp_path):
     """engine.pause_mode=keep: a reply in flight during a sync freezes and goes on under the new weights, its KV
     computed again by them (the sync changes a layer, so stale KV would show); the engine's version spans label each
