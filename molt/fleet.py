@@ -65,7 +65,8 @@ class Fleet:
         images included) on one of them; `then()` once they serve it. An engine that dies meanwhile is replaced, and
         synced, instead. wait=False overlaps the engines' part with what the caller does next (NCCL syncs are
         collectives on the actor: they always wait) and returns the previous sync's probe (None if none is left).
-        idle: nothing runs on the engines or reaches them until this returns (reload.paused: not paused)."""
+        idle: nothing runs on the engines or reaches them until this returns (reload.paused: not paused; the NCCL path
+        pauses all the same)."""
         self.settle()
         last, self.probed = self.probed, None
         self.version, self.probe = version, probe or self.probe
@@ -115,7 +116,8 @@ class Fleet:
                                         e.sync_bucket_mb << 20, address, free_port(address), e.dtype)
                 self.joined = True
             send = functools.partial(self.actor.apply, nccl.send)  # on every actor rank
-            await nccl.sync_nccl(list(self.clients.values()), send, self.version, pause_mode)
+            # paused even when idle: this path runs on GPUs only, where the unpaused sync is not verified
+            await nccl.sync_nccl(list(self.clients.values()), send, self.version, e.pause_mode)
         elif e.sync == "adapter":
             await sync_adapter(clients, weights, self.cfg.lora, self.cfg.model.path, self.version, e.sync_dir,
                                pause_mode)

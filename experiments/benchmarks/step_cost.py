@@ -7,7 +7,7 @@
     python experiments/benchmarks/step_cost.py --part loop --rounds 3 --variant train.share_prefix=false  # A/B
     python experiments/benchmarks/step_cost.py --part cpu      # CPU time per step of each process, both loops
 
-The quickstart's workload: assets/tiny, 8 prompts x 8 samples, at most 4 new tokens, one torch thread.
+The quickstart's workload: assets/tiny, 8 prompts x 8 samples, at most 4 new tokens, Molt's actor on one torch thread.
 
 pieces (median of --reps repetitions after 3 warm-ups, each piece as the loop runs it):
 - rollouts: 8 groups through the rollout worker's path (Env mode, run_group over the Router), with the engine requests
@@ -17,7 +17,9 @@ pieces (median of --reps repetitions after 3 warm-ups, each piece as the loop ru
   and held by the worker until the loop takes them (RolloutWorker.take, as molt/loop.py Popper does);
 - train: Actor.train_step, and the reference GRPO step (experiments/benchmarks/reference_grpo.py) on the same batch;
 - sync: each call of a weight sync (molt/sync/reload.py): export, safetensors written, pause, reload, caches dropped and
-  version set, resume; the probe (the actor's log-probs, the engine's);
+  version set, resume; the probe (the actor's log-probs, the engine's); then the whole sync_weights as the
+  asynchronous loop runs it (paused) and as the synchronous one does (idle: not paused, the caches' drop and the label
+  beside the reload);
 - client CPU: this process's CPU time for a step's 8 generate requests, through the EngineClient (aiohttp) and through
   httpx (the client before it), alternating;
 - mlflow: one step's metrics (as many as a quickstart step logs) to a sqlite store, in the caller's thread and queued
@@ -25,8 +27,8 @@ pieces (median of --reps repetitions after 3 warm-ups, each piece as the loop ru
   logging thread writes them (molt/tracking.py buffers a second).
 
 loop: `molt experiment=quickstart rollout.seed=0 eval.every=0 view.every=0` with rollout.max_lag=0 (synchronous) and 1
-(asynchronous), and parity.py's reference loop (HF generate + the reference step, one process), --steps each, one
-after the other; per run the median over steps 5.. of the wall time per step (Molt: between two steps' metrics, from
+(asynchronous), and parity.py's reference loop (HF generate + the reference step, one process) with one torch thread
+and with one per core (alone on the machine it is fastest with every core), --steps each, one after the other; per run the median over steps 5.. of the wall time per step (Molt: between two steps' metrics, from
 their MLflow timestamps, logging and checkpoints included) and of Molt's phases. --peer: then TRL's GRPOTrainer on
 the same model, prompts (in TRL's order), reward and settings (experiments/benchmarks/cpu_step.py peer_run), the median
 of its steps 5.. (TRL's own step callbacks). --variant: Molt's two runs again with one more override. --rounds: all of
@@ -41,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import pickle
 import statistics
 import sys
@@ -151,6 +154,9 @@ async def rollout_and_sync(client, cfg, model_dir: Path, actor, reps: int) -> tu
                 await asyncio.gather(client.drop_caches(), client.set_version(rep + 1))
             with timed(t, "sync: resume"):
                 await client.resume()
+        for mode, name in ((cfg.engine.pause_mode, "paused"), (None, "idle, not paused")):
+            with timed(t, f"sync: sync_weights, {name}"):  # write, reload, drop caches, label: max_lag=1's, max_lag=0's
+                await reload.sync_weights([client], weights, rep + 1, cfg.engine.sync_dir, mode)
         probe = prep.segments[0]
         with timed(t, "sync: probe, the actor"):
             expected = actor.logprobs([probe], cfg.rollout.temperature)[0][1:]
@@ -302,7 +308,9 @@ def loop(steps: int, out: Path, peer: bool = False, rounds: int = 1, variants: t
                 extra = [f"rollout.max_lag={lag}", *([v] if v else [])]
                 res = parity.molt_run(0, steps, out / f"round{r}", extra=extra, keys=PHASES)
                 rows.setdefault(f"molt, max_lag={lag}" + (f", {v}" if v else ""), []).append(res)
-        rows.setdefault("reference loop", []).append(parity.reference_run(0, steps, model_dir))
+        for threads in sorted({1, os.cpu_count()}):  # one, as the quickstart's actor, and every core: its best alone
+            rows.setdefault(f"reference loop, {threads} thread(s)", []).append(
+                parity.reference_run(0, steps, model_dir, threads))
         if peer:
             rows.setdefault(f"peer (TRL {version('trl')})", []).append({"step_s": peer_quickstart(steps, model_dir)})
     med = lambda xs: statistics.median(xs[5:])  # noqa: E731
