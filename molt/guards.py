@@ -397,10 +397,14 @@ def batch_fits_inflight(cfg, hf):
 
 
 def replay_source(cfg, hf):
-    """train.replay_rollouts: a dump to read (molt/dump.py), and not the one this run appends to."""
+    """train.replay_rollouts: a dump to read (molt/dump.py), and not the one this run appends to; both are directories
+    (`train.dump_rollouts=true` reaches here as the string "True", which would have dumped into ./True)."""
     from molt.dump import FILE, path_of
 
     src = cfg.train.replay_rollouts
+    for key in ("dump_rollouts", "replay_rollouts"):
+        if cfg.train[key] in ("True", "False"):
+            return f"train.{key}={cfg.train[key].lower()}: it takes a directory, e.g. train.{key}=outputs/dump"
     if src and (not path_of(src).is_file() or path_of(src).stat().st_size == 0):
         return (f"train.replay_rollouts={src} holds no rollouts (no {FILE}, or an empty one): point it at the "
                 "train.dump_rollouts directory of an earlier run")

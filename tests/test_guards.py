@@ -127,6 +127,7 @@ CASES = [
                            "model.path=${assets_dir}/sliding"], "sliding-window attention"),
     ("cp_with_images", ["fsdp.cp_size=2", "model=tiny_vl"], "vision-language model"),
     ("replay_source", ["train.replay_rollouts=${assets_dir}/no_dump"], "train.replay_rollouts="),
+    ("replay_source", ["train.dump_rollouts=true"], "train.dump_rollouts=true: it takes a directory"),
     ("replay_source", ["train.replay_rollouts=${assets_dir}/empty_dump"], "holds no rollouts"),
     ("replay_source", ["train.replay_rollouts=${assets_dir}/dump", "train.dump_rollouts=${assets_dir}/dump"],
      "the replay would append to the dump it reads"),
