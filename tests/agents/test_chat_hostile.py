@@ -394,5 +394,5 @@ def test_images_are_checked_before_decoding_and_decoded_off_the_event_loop(tok, 
         if reason == "image_rejected":  # 48 decoded on a thread: on the event loop they would hold it for `took`
             assert len(inside) >= 5 and statistics.median(inside) < max(0.25, 10 * normal)
         if reason == "image_too_many":
-            assert took < max(2.0, 20 * normal)  # 4 MB of JSON read and counted; the old decode took 20 s here
+            assert took < max(5.0, 20 * normal)  # 4 MB of JSON read and counted (0.04-0.07 s); the old decode took 20 s
     assert x.s.error is None and other.s.error is None and other.s.rejected == 0
