@@ -45,7 +45,7 @@ def write_checkpoint(state_dict: dict[str, torch.Tensor], out_dir: str | Path) -
 
 
 @contextlib.asynccontextmanager
-async def paused(clients: list[EngineClient], version: int, pause_mode: str = "wait"):
+async def paused(clients: list[EngineClient], version: int, pause_mode: str | None = "wait"):
     """Every engine paused around a weight update (both sync paths): on success their caches are dropped (the old
     weights computed the cached KV and vision encoder outputs) and the weights labelled `version`; they are resumed
     whatever happened. pause_mode (engine.pause_mode): wait lets the requests in flight finish on the old weights
@@ -71,7 +71,7 @@ async def paused(clients: list[EngineClient], version: int, pause_mode: str = "w
 
 
 async def sync_weights(clients: list[EngineClient], state_dict: dict[str, torch.Tensor], version: int,
-                       sync_dir: str | Path, pause_mode: str = "wait") -> float:
+                       sync_dir: str | Path, pause_mode: str | None = "wait") -> float:
     """Move the actor's weights into every engine (each reads them itself) and label them `version`; returns
     seconds. The engines read the directory themselves, so sync_dir must be on their machine (/dev/shm locally) or
     shared."""
@@ -94,7 +94,7 @@ async def _on_all(clients: list[EngineClient], call) -> None:
 
 
 async def sync_adapter(clients: list[EngineClient], adapters: dict[str, torch.Tensor], lora_cfg, base: str,
-                       version: int, sync_dir: str | Path, pause_mode: str = "wait") -> float:
+                       version: int, sync_dir: str | Path, pause_mode: str | None = "wait") -> float:
     """engine.sync=adapter: the LoRA adapters (full tensors, the actor's names) as a PEFT folder every engine loads as
     the policy (`--enable-lora`, /v1/load_lora_adapter); the base weights never move. Returns seconds. The folder
     stays until the next version's is loaded: an engine reads it again if it ever evicts the adapter."""
