@@ -28,8 +28,9 @@ pieces (median of --reps repetitions after 3 warm-ups, each piece as the loop ru
 
 loop: `molt experiment=quickstart rollout.seed=0 eval.every=0 view.every=0` with rollout.max_lag=0 (synchronous) and 1
 (asynchronous), and parity.py's reference loop (HF generate + the reference step, one process) with one torch thread
-and with one per core (alone on the machine it is fastest with every core), --steps each, one after the other; per run the median over steps 5.. of the wall time per step (Molt: between two steps' metrics, from
-their MLflow timestamps, logging and checkpoints included) and of Molt's phases. --peer: then TRL's GRPOTrainer on
+and with one per core (alone on the machine it is fastest with every core), --steps each, one after the other; per
+run the median over steps 5.. of the wall time per step (Molt: between two steps' metrics, from their MLflow
+timestamps, logging and checkpoints included) and of Molt's phases. --peer: then TRL's GRPOTrainer on
 the same model, prompts (in TRL's order), reward and settings (experiments/benchmarks/cpu_step.py peer_run), the median
 of its steps 5.. (TRL's own step callbacks). --variant: Molt's two runs again with one more override. --rounds: all of
 it N times, interleaved, so that a shared machine's slow minutes hit every row alike; each row prints the median and

@@ -176,7 +176,7 @@ def test_weight_sync_reload(engine, hf_model, tmp_path):
 
 
 @pytest.mark.usefixtures("restores_weights")
-def test_an_idle_sync_is_not_paused_yet_serves_labels_and_uncaches_like_a_paused_one(engine, hf_model, tmp_path):
+def test_an_idle_sync_serves_labels_and_uncaches_like_a_paused_one(engine, hf_model, tmp_path):
     """pause_mode None (the synchronous loop: nothing runs on the engine): no pause, the caches' drop and the label
     sent beside the reload. Afterwards the engine agrees with the new weights, labels its tokens with the version,
     and a prompt whose KV the old weights cached (300 tokens, whole blocks of 16 or 128, generated twice before) is
