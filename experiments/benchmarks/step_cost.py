@@ -28,13 +28,13 @@ pieces (median of --reps repetitions after 3 warm-ups, each piece as the loop ru
 
 loop: `molt experiment=quickstart rollout.seed=0 eval.every=0 view.every=0` with rollout.max_lag=0 (synchronous) and 1
 (asynchronous), and parity.py's reference loop (HF generate + the reference step, one process) with one torch thread
-and with one per core (alone on the machine it is fastest with every core), --steps each, one after the other; per
-run the median over steps 5.. of the wall time per step (Molt: between two steps' metrics, from their MLflow
-timestamps, logging and checkpoints included) and of Molt's phases. --peer: then TRL's GRPOTrainer on
-the same model, prompts (in TRL's order), reward and settings (experiments/benchmarks/cpu_step.py peer_run), the median
-of its steps 5.. (TRL's own step callbacks). --variant: Molt's two runs again with one more override. --rounds: all of
-it N times, interleaved, so that a shared machine's slow minutes hit every row alike; each row prints the median and
-range over the rounds.
+and with one per core (alone on the machine it is fastest with every core), --steps each, one after the other; per run
+the median over steps 5.. of the wall time per step (Molt: between two steps' metrics, from their MLflow timestamps,
+logging and checkpoints included) and of Molt's phases. --peer: TRL's GRPOTrainer too, after each reference loop and on
+as many threads, on the same model, prompts (in TRL's order), reward and settings (experiments/benchmarks/cpu_step.py
+peer_run), the median of its steps 5.. (TRL's own step callbacks). --variant: Molt's two runs again with one more
+override. --rounds: all of it N times, interleaved, so that a shared machine's slow minutes hit every row alike; each
+row prints the median and range over the rounds.
 
 cpu: a quickstart run with max_lag=0, then 1 (until stopped); the CPU time per step of the driver and of every
 process it started (Ray, the rollout worker, the engine's API server and core), from psutil over 20 s after 45 s.
@@ -280,9 +280,9 @@ def pieces(reps: int) -> None:
         print(f"  {name:44s} {v:11.1f}")
 
 
-def peer_quickstart(steps: int, model_dir: Path) -> list[float]:
+def peer_quickstart(steps: int, model_dir: Path, threads: int) -> list[float]:
     """TRL's GRPOTrainer on the quickstart (its model, prompts, reward and settings: 8 x 8, 4 new tokens, lr 2e-3,
-    clip 1, no KL, fp32, one thread); the wall time of each step."""
+    clip 1, no KL, fp32) on `threads` torch threads; the wall time of each step."""
     from experiments.benchmarks.cpu_step import peer_run
     from experiments.quickstart import task
     from molt.data import load_jsonl
@@ -292,6 +292,7 @@ def peer_quickstart(steps: int, model_dir: Path) -> list[float]:
 
     rows = [{"prompt": r["messages"], "answer": r["answer"]}
             for r in load_jsonl(REPO / "experiments/quickstart/data/train.jsonl")]
+    torch.set_num_threads(threads)
     return peer_run(steps, model_dir, rows, reward, max_new=parity.SETTINGS["max_new_tokens"], lr=parity.SETTINGS["lr"])
 
 
@@ -312,8 +313,9 @@ def loop(steps: int, out: Path, peer: bool = False, rounds: int = 1, variants: t
         for threads in sorted({1, os.cpu_count()}):  # one, as the quickstart's actor, and every core: its best alone
             rows.setdefault(f"reference loop, {threads} thread(s)", []).append(
                 parity.reference_run(0, steps, model_dir, threads))
-        if peer:
-            rows.setdefault(f"peer (TRL {version('trl')})", []).append({"step_s": peer_quickstart(steps, model_dir)})
+            if peer:
+                rows.setdefault(f"peer (TRL {version('trl')}), {threads} thread(s)", []).append(
+                    {"step_s": peer_quickstart(steps, model_dir, threads)})
     med = lambda xs: statistics.median(xs[5:])  # noqa: E731
     print(f"\nquickstart, {steps} steps each, {rounds} round(s): medians over steps 5..{steps - 1}, then over rounds")
     print(f"  {'':44s} {'s/step':>8s} {'range':>15s} " + " ".join(f"{k.removeprefix('time/'):>9s}" for k in PHASES))
