@@ -83,8 +83,8 @@ def sample(model, tokenizer, prompts: list[list[dict]], n: int, max_new_tokens: 
 
 def reference_run(seed: int, steps: int, model_dir: Path, threads: int = 1, keep: Path | None = None) -> dict:
     """The plain loop: per step `groups` prompts x `n` samples with HF generate, then one reference GRPO step.
-    threads: torch's (1 by default, as the quickstart's actor; alone on a 2-core machine it is fastest with 2: README,
-    "The reference loop was slowed by one thread")."""
+    threads: torch's (1 by default, as the quickstart's actor; alone on a 2-core machine it is fastest with 2:
+    docs/step_cost.md, "The reference loop was slowed by one thread")."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from molt.data import DataStream, load_jsonl  # the data order only

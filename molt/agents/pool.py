@@ -123,8 +123,8 @@ class RolloutWorker:
     async def take(self, timeout_s: float) -> tuple[list, list[tuple[str, int]]]:
         """Every finished item (("group", g), or ("error", e)) and every engine seen failing, not taken yet, once
         there is one or after timeout_s: the loop's one call per batch of groups (molt/loop.py Popper). Ray queues
-        between the two cost a call to put, calls to get, and processes that copied every group twice (README, "The
-        fixed cost of a quickstart step")."""
+        between the two cost a call to put, calls to get, and processes that copied every group twice
+        (docs/step_cost.md, "The groups' handoff")."""
         if not self.outbox and not self.down:
             self.ready.clear()
             with contextlib.suppress(TimeoutError):
