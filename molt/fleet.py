@@ -59,21 +59,21 @@ class Fleet:
         """Run a coroutine on the fleet's thread and wait for it."""
         return asyncio.run_coroutine_threadsafe(coro, self.aio).result()
 
-    def sync(self, version: int, probe: Segment | None = None, then=None, wait: bool = True,
-             idle: bool = False) -> float | None:
+    def sync(self, version: int, probe: Segment | None = None, then=None, wait: bool = True) -> float | None:
         """Weights `version` into every engine, then the max |engine - actor| log-prob on `probe` (a segment,
-        images included) on one of them; `then()` once they serve it. An engine that dies meanwhile is replaced, and
-        synced, instead. wait=False overlaps the engines' part with what the caller does next (NCCL syncs are
-        collectives on the actor: they always wait) and returns the previous sync's probe (None if none is left).
-        idle: nothing runs on the engines or reaches them until this returns (reload.paused: not paused; the NCCL path
-        pauses all the same)."""
+        images included) on one of them; `then()` once they serve it, or with engine.sync=reload once every engine is
+        paused for it (what it starts waits for the new weights). Not so for adapters: a request names the adapter
+        the API server holds when it arrives, the old one during the sync; nor for NCCL, not verified here. An engine
+        that dies meanwhile is replaced, and synced, instead. wait=False overlaps the engines' part with what the caller
+        does next (NCCL syncs are collectives on the actor: they always wait) and returns the previous sync's probe
+        (None if none is left)."""
         self.settle()
         last, self.probed = self.probed, None
         self.version, self.probe = version, probe or self.probe
         self.sent = self.take()
         then = then and functools.cache(then)  # once, also when an engine died and the sync is delivered again
         self.pending = asyncio.run_coroutine_threadsafe(
-            self._push(list(self.clients.values()), self.sent, then, idle), self.aio), then
+            self._push(list(self.clients.values()), self.sent, then), self.aio), then
         if not wait and self.cfg.engine.sync != "nccl":
             return last
         self.settle()
@@ -105,9 +105,8 @@ class Fleet:
             weights = self.actor.export_weights()
         return weights, self.actor.logprobs([self.probe], self.cfg.rollout.temperature)[0][1:]
 
-    async def _push(self, clients, sent: tuple, then=None, idle: bool = False) -> float:
+    async def _push(self, clients, sent: tuple, then=None) -> float:
         e, (weights, expected) = self.cfg.engine, sent
-        pause_mode = None if idle else e.pause_mode
         if self.version and e.sync == "nccl":  # every engine at once, over the group (formed again after a restart)
             from molt.sync import nccl  # imports vLLM (seconds): only on this path
             if not self.joined:
@@ -116,15 +115,14 @@ class Fleet:
                                         e.sync_bucket_mb << 20, address, free_port(address), e.dtype)
                 self.joined = True
             send = functools.partial(self.actor.apply, nccl.send)  # on every actor rank
-            # paused even when idle: this path runs on GPUs only, where the unpaused sync is not verified
             await nccl.sync_nccl(list(self.clients.values()), send, self.version, e.pause_mode)
         elif e.sync == "adapter":
             await sync_adapter(clients, weights, self.cfg.lora, self.cfg.model.path, self.version, e.sync_dir,
-                               pause_mode)
-        elif weights is not None:
-            await sync_weights(clients, weights, self.version, e.sync_dir, pause_mode)
-        if then is not None:  # the engines serve the version: the next rollouts start while the probe scores it (a
-            then()  # probe that fails stops the run all the same)
+                               e.pause_mode)
+        elif weights is not None:  # then() once paused: what it starts waits in the engines for the new weights
+            await sync_weights(clients, weights, self.version, e.sync_dir, e.pause_mode, on_paused=then)
+        if then is not None:  # (once) the engines serve the version at the latest: the next rollouts start while the
+            then()  # probe scores it (a probe that fails stops the run all the same)
         features = await engine_features(clients[0], self.probe.images)  # an image prompt probes the vision tower
         return await verify_sync(clients[0], self.probe.token_ids, expected, tol=self.cfg.engine.probe_tol, **features)
 

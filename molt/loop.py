@@ -93,10 +93,9 @@ def train(cfg, model_dir: Path, engines, stop: threading.Event) -> None:
             prep, metrics = learn(cfg, actor, groups, step, clock)
             with clock("sync"):  # max_lag >= 1: overlapped with the next step (its probe is reported with the next)
                 last = step + 1 == cfg.train.steps  # no credits after it: nothing starts only to be cancelled
-                on_policy = cfg.rollout.max_lag == 0  # every credit given came back as a group: the engines idle
-                probe = fleet.sync(version + 1, prep.segments[0], wait=on_policy, idle=on_policy,
+                probe = fleet.sync(version + 1, prep.segments[0], wait=cfg.rollout.max_lag == 0,
                                    then=None if last else functools.partial(worker.grant.remote, len(groups)))
-            version += 1  # the next groups start on the new weights: the credits go back once the engines serve them
+            version += 1  # the next groups run on the new weights: the credits go back once the engines are paused
             metrics |= ({} if probe is None else {"sync/probe_abs_max": probe}) | maybe_eval(cfg, worker, fleet, step)
             metrics |= {"engine/restarts": fleet.total}
             if tracking.line_due(step, cfg.train.steps, cfg.train.log_every):  # /metrics is 50 KB: read as often as the

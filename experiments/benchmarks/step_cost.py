@@ -17,9 +17,7 @@ pieces (median of --reps repetitions after 3 warm-ups, each piece as the loop ru
   and held by the worker until the loop takes them (RolloutWorker.take, as molt/loop.py Popper does);
 - train: Actor.train_step, and the reference GRPO step (experiments/benchmarks/reference_grpo.py) on the same batch;
 - sync: each call of a weight sync (molt/sync/reload.py): export, safetensors written, pause, reload, caches dropped and
-  version set, resume; the probe (the actor's log-probs, the engine's); then the whole sync_weights as the
-  asynchronous loop runs it (paused) and as the synchronous one does (idle: not paused, the caches' drop and the label
-  beside the reload);
+  version set, resume; the whole sync_weights; the probe (the actor's log-probs, the engine's);
 - client CPU: this process's CPU time for a step's 8 generate requests, through the EngineClient (aiohttp) and through
   httpx (the client before it), alternating;
 - mlflow: one step's metrics (as many as a quickstart step logs) to a sqlite store, in the caller's thread and queued
@@ -155,9 +153,8 @@ async def rollout_and_sync(client, cfg, model_dir: Path, actor, reps: int) -> tu
                 await asyncio.gather(client.drop_caches(), client.set_version(rep + 1))
             with timed(t, "sync: resume"):
                 await client.resume()
-        for mode, name in ((cfg.engine.pause_mode, "paused"), (None, "idle, not paused")):
-            with timed(t, f"sync: sync_weights, {name}"):  # write, reload, drop caches, label: max_lag=1's, max_lag=0's
-                await reload.sync_weights([client], weights, rep + 1, cfg.engine.sync_dir, mode)
+        with timed(t, "sync: sync_weights"):  # write, pause, reload, drop caches and label, resume: as the loop does
+            await reload.sync_weights([client], weights, rep + 1, cfg.engine.sync_dir, cfg.engine.pause_mode)
         probe = prep.segments[0]
         with timed(t, "sync: probe, the actor"):
             expected = actor.logprobs([probe], cfg.rollout.temperature)[0][1:]

@@ -45,25 +45,18 @@ def write_checkpoint(state_dict: dict[str, torch.Tensor], out_dir: str | Path) -
 
 
 @contextlib.asynccontextmanager
-async def paused(clients: list[EngineClient], version: int, pause_mode: str | None = "wait"):
-    """Every engine paused around a weight update (both sync paths): on success their caches are dropped (the old
+async def paused(clients: list[EngineClient], version: int, pause_mode: str = "wait", on_paused=None):
+    """Every engine paused around a weight update (every sync path): on success their caches are dropped (the old
     weights computed the cached KV and vision encoder outputs) and the weights labelled `version`; they are resumed
     whatever happened. pause_mode (engine.pause_mode): wait lets the requests in flight finish on the old weights
     first; keep freezes them (dropping the caches preempts them: their KV is computed again) and they go on under the
-    new ones, their later tokens labelled `version`. pause_mode None: the caller knows the engines idle until it
-    returns (the synchronous loop: every group it gave credits for came back); no step runs between two calls then,
-    so the engines are not paused, and the caches' drop and the label go out beside the update."""
-    if pause_mode is None:
-        dropped = asyncio.gather(*(c.drop_caches() for c in clients), *(c.set_version(version) for c in clients))
-        try:
-            yield
-        except BaseException:
-            dropped.cancel()
-            raise
-        await dropped
-        return
+    new ones, their later tokens labelled `version`. on_paused() runs once every engine is paused: a request sent
+    from then on waits in the engine and runs on the new weights, labelled `version` (the loop gives the rollout
+    worker its credits there, so that its next requests are ready when the engines resume)."""
     await asyncio.gather(*(c.pause(pause_mode) for c in clients))
     try:
+        if on_paused is not None:
+            on_paused()
         yield
         await asyncio.gather(*(c.drop_caches() for c in clients), *(c.set_version(version) for c in clients))
     finally:
@@ -71,7 +64,7 @@ async def paused(clients: list[EngineClient], version: int, pause_mode: str | No
 
 
 async def sync_weights(clients: list[EngineClient], state_dict: dict[str, torch.Tensor], version: int,
-                       sync_dir: str | Path, pause_mode: str | None = "wait") -> float:
+                       sync_dir: str | Path, pause_mode: str = "wait", on_paused=None) -> float:
     """Move the actor's weights into every engine (each reads them itself) and label them `version`; returns
     seconds. The engines read the directory themselves, so sync_dir must be on their machine (/dev/shm locally) or
     shared."""
@@ -80,7 +73,7 @@ async def sync_weights(clients: list[EngineClient], state_dict: dict[str, torch.
     weights_dir = Path(tempfile.mkdtemp(prefix=f"molt-sync-{os.getpid()}-v{version}-", dir=sync_dir))
     try:
         write_checkpoint(state_dict, weights_dir)
-        async with paused(clients, version, pause_mode):
+        async with paused(clients, version, pause_mode, on_paused):
             await _on_all(clients, lambda c: c.reload_weights(weights_dir))
     finally:
         shutil.rmtree(weights_dir, ignore_errors=True)
@@ -94,7 +87,7 @@ async def _on_all(clients: list[EngineClient], call) -> None:
 
 
 async def sync_adapter(clients: list[EngineClient], adapters: dict[str, torch.Tensor], lora_cfg, base: str,
-                       version: int, sync_dir: str | Path, pause_mode: str | None = "wait") -> float:
+                       version: int, sync_dir: str | Path, pause_mode: str = "wait") -> float:
     """engine.sync=adapter: the LoRA adapters (full tensors, the actor's names) as a PEFT folder every engine loads as
     the policy (`--enable-lora`, /v1/load_lora_adapter); the base weights never move. Returns seconds. The folder
     stays until the next version's is loaded: an engine reads it again if it ever evicts the adapter."""

@@ -176,15 +176,16 @@ def test_weight_sync_reload(engine, hf_model, tmp_path):
 
 
 @pytest.mark.usefixtures("restores_weights")
-def test_an_idle_sync_serves_labels_and_uncaches_like_a_paused_one(engine, hf_model, tmp_path):
-    """pause_mode None (the synchronous loop: nothing runs on the engine): no pause, the caches' drop and the label
-    sent beside the reload. Afterwards the engine agrees with the new weights, labels its tokens with the version,
-    and a prompt whose KV the old weights cached (300 tokens, whole blocks of 16 or 128, generated twice before) is
-    computed again."""
+def test_a_request_sent_while_paused_waits_and_runs_on_the_new_weights_not_their_cached_kv(engine, hf_model, tmp_path):
+    """The loop gives the rollout worker its credits once the engines are paused for a sync (reload.paused's
+    on_paused): a request sent then waits in the engine until the sync is done, runs on the new weights, carries
+    their version, and a prompt whose KV the old weights cached (300 tokens, whole blocks of 16 or 128, generated
+    twice before) is computed again."""
     sd = {k: v.clone() for k, v in hf_model.state_dict().items()}
     sd["model.layers.0.self_attn.v_proj.weight"] *= 1.5  # changes the cached KV itself
     new_model = copy.deepcopy(hf_model)
     new_model.load_state_dict(sd)
+    write_checkpoint(sd, tmp_path)
     prompt = (PROMPT * 40)[:300]
 
     async def main():
@@ -192,16 +193,21 @@ def test_an_idle_sync_serves_labels_and_uncaches_like_a_paused_one(engine, hf_mo
         version = await c.version() + 1
         for _ in range(2):  # the second one hits the prefix cache the first one filled
             await c.generate(prompt, max_tokens=4)
-        await sync_weights([c], sd, version, tmp_path, pause_mode=None)
-        diff = await verify_sync(c, PROBE, hf_logprobs(new_model, PROBE).tolist(), tol=1e-4)
-        out = await c.generate(prompt, max_tokens=8)
+        sent = []
+        async with paused([c], version, "wait", on_paused=lambda: sent.append(True)):
+            assert sent, "on_paused runs once the engines are paused"
+            early = asyncio.ensure_future(c.generate(prompt, max_tokens=8))
+            await asyncio.sleep(1.0)  # unpaused, 8 tokens take milliseconds
+            held = not early.done()
+            await c.reload_weights(tmp_path)
+        out = await early
         await c.aclose()
-        return version, diff, out
+        return version, held, out
 
-    version, diff, out = run(main())
-    assert diff < 1e-4 and out.version == version and set(out.token_versions) == {version}
+    version, held, out = run(main())
+    assert held, "the paused engine ran a request"
+    assert out.version == version and set(out.token_versions) == {version}
     assert max_diff(out.logprobs, hf_logprobs(new_model, prompt + out.token_ids)[-len(out.token_ids):]) < 1e-4
-    assert list(tmp_path.iterdir()) == [], "the sync directory was not deleted"
 
 
 @pytest.mark.usefixtures("restores_weights")

@@ -119,8 +119,7 @@ def test_adapter_sync_serves_the_policy_as_a_lora_adapter(adapter_engine, traine
             diffs = []
             for version in (1, 2):
                 adapters = trained.export_adapters()
-                seconds = await sync_adapter([c], adapters, LORA, str(tiny_dir), version, tmp_path,
-                                             "wait" if version == 1 else None)  # 2: idle, as the synchronous loop
+                seconds = await sync_adapter([c], adapters, LORA, str(tiny_dir), version, tmp_path)
                 expected = trained.logprobs([probe_segment()])[0][1:]
                 diffs.append(await verify_sync(c, PROBE, expected, tol=1e-4))
                 assert await c.version() == version
