@@ -95,7 +95,7 @@ def train(cfg, model_dir: Path, engines, stop: threading.Event) -> None:
                 last = step + 1 == cfg.train.steps  # no credits after it: nothing starts only to be cancelled
                 probe = fleet.sync(version + 1, prep.segments[0], wait=cfg.rollout.max_lag == 0,
                                    then=None if last else functools.partial(worker.grant.remote, len(groups)))
-            version += 1  # the next groups run on the new weights: the credits go back once the engines are paused
+            version += 1  # the next groups run on the new weights: their credits go back at the sync's pause (fleet.py)
             metrics |= ({} if probe is None else {"sync/probe_abs_max": probe}) | maybe_eval(cfg, worker, fleet, step)
             metrics |= {"engine/restarts": fleet.total}
             if tracking.line_due(step, cfg.train.steps, cfg.train.log_every):  # /metrics is 50 KB: read as often as the
