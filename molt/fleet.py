@@ -62,11 +62,11 @@ class Fleet:
     def sync(self, version: int, probe: Segment | None = None, then=None, wait: bool = True) -> float | None:
         """Weights `version` into every engine, then the max |engine - actor| log-prob on `probe` (a segment,
         images included) on one of them; `then()` once they serve it, or with engine.sync=reload once every engine is
-        paused for it (what it starts waits for the new weights). Not so for adapters: a request names the adapter
-        the API server holds when it arrives, the old one during the sync; nor for NCCL, not verified here. An engine
-        that dies meanwhile is replaced, and synced, instead. wait=False overlaps the engines' part with what the caller
-        does next (NCCL syncs are collectives on the actor: they always wait) and returns the previous sync's probe
-        (None if none is left)."""
+        paused for it (what it starts waits for the new weights). Not so for adapters: an engine fresh from a start or a
+        restart serves no policy until its first adapter is loaded, and a request naming it meanwhile is refused;
+        nor for NCCL, not verified here. An engine that dies meanwhile is replaced, and synced, instead. wait=False
+        overlaps the engines' part with what the caller does next (NCCL syncs are collectives on the actor: they
+        always wait) and returns the previous sync's probe (None if none is left)."""
         self.settle()
         last, self.probed = self.probed, None
         self.version, self.probe = version, probe or self.probe

