@@ -89,8 +89,9 @@ async def _on_all(clients: list[EngineClient], call) -> None:
 async def sync_adapter(clients: list[EngineClient], adapters: dict[str, torch.Tensor], lora_cfg, base: str,
                        version: int, sync_dir: str | Path, pause_mode: str = "wait") -> float:
     """engine.sync=adapter: the LoRA adapters (full tensors, the actor's names) as a PEFT folder every engine loads as
-    the policy (`--enable-lora`, /molt/load_adapter: molt/rollout/vllm_ext.py); the base weights never move. Returns seconds. The folder
-    stays until the next version's is loaded: an engine reads it again if it ever evicts the adapter."""
+    the policy (`--enable-lora`, /molt/load_adapter: molt/rollout/vllm_ext.py); the base weights never move. Returns
+    seconds. The folder stays until the next version's is loaded: an engine reads it again if it ever evicts the
+    adapter."""
     t0 = time.perf_counter()
     # molt/reaper.py sweeps what a SIGKILL leaves (the writer's pid in the name)
     adapter_dir = Path(sync_dir) / f"molt-sync-{os.getpid()}-v{version}-adapter"
