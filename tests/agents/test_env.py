@@ -301,11 +301,11 @@ def test_engine_errors_propagate(tok):
 
 
 def test_rollouts_whose_engine_dies_start_again_from_scratch(model_dir, tok, tmp_path):
-    """retry=True (engine.max_restarts > 0): the engine is killed mid-generation, the router reports it once and holds
-    new requests, the engine is replaced, and every rollout starts again: no partial trajectory survives. Seeded, the
-    retried group draws exactly what a fresh run of the group draws from the same weights. The shared memory the
-    killed processes left in /dev/shm goes with them (issue 23 item 4)."""
-    cfg = AgentConfig(max_turns=3, max_tokens_per_turn=200, max_total_tokens=700)  # long turns: killed mid-request
+    """retry=True (engine.max_restarts > 0): the engine is killed with every rollout's request in it, the router reports
+    it once and holds new requests, the engine is replaced, and every rollout starts again: no partial trajectory
+    survives. Seeded, the retried group draws exactly what a fresh run of the group draws from the same weights. The
+    shared memory the killed processes left in /dev/shm goes with them (issue 23 item 4)."""
+    cfg = AgentConfig(max_turns=3, max_tokens_per_turn=200, max_total_tokens=700)
     reports = []
     # bound (auto): vLLM's worker in a process of its own, fed through message queues in /dev/shm (nobind has none)
     with launch_engines(EngineConfig(cpu_threads_bind="auto"), model_dir, tmp_path) as servers:
@@ -318,6 +318,8 @@ def test_rollouts_whose_engine_dies_start_again_from_scratch(model_dir, tok, tmp
                              release=router.release, retry=True)
 
         async def main():
+            # frozen first (requests held, none answered): under load a request could otherwise end before the kill
+            await router.clients[server.name].pause("keep")
             task = asyncio.create_task(group("g9"))
             while sum(router.inflight.values()) < 4:  # all four: each renders its prompt in a thread first, and one
                 await asyncio.sleep(0.005)  # that asks after the engine is reported down is held, not started again
