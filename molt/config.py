@@ -85,6 +85,7 @@ class EngineConfig:
     pause_mode: str = "wait"  # weight sync: wait (requests in flight finish first) | keep (they freeze and go on
     # under the new weights, each token labelled with its version; needs is_correction)
     probe_tol: float = 1e-3  # max |engine - actor| log-prob on the probe after each sync (bf16 GPU engines differ more)
+    probe_tokens: int = 1024  # the probe: the first this many tokens of the step's first segment (images: all of it)
     base_port: int = 0  # 0 = pick free loopback ports
     uds: bool = True  # serve each engine on a Unix socket in a 0700 directory (false: TCP on 127.0.0.1, base_port)
     max_restarts: int = 3  # an engine that dies is restarted, synced and verified; more restarts than this within

@@ -69,7 +69,7 @@ class Fleet:
         always wait) and returns the previous sync's probe (None if none is left)."""
         self.settle()
         last, self.probed = self.probed, None
-        self.version, self.probe = version, probe or self.probe
+        self.version, self.probe = version, probe.head(self.cfg.engine.probe_tokens) if probe else self.probe
         self.sent = self.take()
         then = then and functools.cache(then)  # once, also when an engine died and the sync is delivered again
         self.pending = asyncio.run_coroutine_threadsafe(

@@ -217,6 +217,8 @@ def sync_path(cfg, hf):
         return f"engine.sync_bucket_mb={cfg.engine.sync_bucket_mb}: the NCCL sync's buckets need at least 1 MiB"
     if cfg.engine.probe_tol <= 0:
         return f"engine.probe_tol={cfg.engine.probe_tol}: the sync probe's tolerance must be > 0"
+    if cfg.engine.probe_tokens < 2:
+        return f"engine.probe_tokens={cfg.engine.probe_tokens}: the sync probe needs 2 tokens at least (one log-prob)"
     if cfg.engine.pause_mode not in ("wait", "keep"):
         return f"engine.pause_mode={cfg.engine.pause_mode!r} is unknown: use wait or keep"
     if cfg.engine.pause_mode == "keep" and cfg.is_correction.level == "off":

@@ -67,6 +67,14 @@ class Segment:
         assert all(a <= im.offset for a, im in zip(ends, self.images)) and ends[-1] <= n, "image spans overlap or overrun"
         assert not any(any(self.loss_mask[im.offset:im.offset + im.length]) for im in self.images), "a generated image token"
 
+    def head(self, n: int) -> Segment:
+        """Its first n tokens and their columns (itself if no longer); a segment with images stays whole: a cut
+        between an image's markers and its placeholder tokens is no prompt an engine can render."""
+        if n >= len(self.token_ids) or self.images:
+            return self
+        routes = None if self.routed_experts is None else self.routed_experts[:n]
+        return Segment(self.token_ids[:n], self.loss_mask[:n], self.logprobs[:n], self.versions[:n], routes)
+
     @property
     def num_generated(self) -> int:
         return sum(self.loss_mask)

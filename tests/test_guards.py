@@ -82,6 +82,7 @@ CASES = [
     ("sync_path", ["engine.sync=nccl", "cluster.gpus_per_node=1", "engine.dtype=auto"], "not 'auto'"),
     ("sync_path", ["engine.sync_bucket_mb=0"], "engine.sync_bucket_mb=0"),
     ("sync_path", ["engine.probe_tol=0"], "engine.probe_tol=0"),
+    ("sync_path", ["engine.probe_tokens=1"], "engine.probe_tokens=1"),
     ("sync_path", ["engine.pause_mode=drain"], "engine.pause_mode='drain'"),
     ("sync_path", ["engine.pause_mode=keep"], "set is_correction.level=token"),
     ("loss_known", ["loss.name=trpo"], "loss.name='trpo' is unknown"),

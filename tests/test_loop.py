@@ -57,7 +57,8 @@ def leftovers(tmpdir: str) -> list[str]:
 
 
 EXACT = ["rollout.max_lag=0", "rollout.seed=7", "train.save_every=1", f"train.steps={STEPS}", f"eval.every={STEPS}",
-         "eval.max_samples=8", "train.log_every=2", "is_correction.level=token"]  # pages (view.every) at 0 and 23
+         "eval.max_samples=8", "train.log_every=2", "is_correction.level=token",  # pages (view.every) at 0 and 23
+         "engine.probe_tokens=12"]  # a prefix of the step's first segment (its prompt alone is 17-21 ids)
 
 
 @pytest.fixture(scope="module")

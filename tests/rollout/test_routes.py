@@ -16,7 +16,7 @@ from molt.assets import build_tokenizer
 from molt.config import AgentConfig
 from molt.rollout import routes
 from molt.rollout.engine import EngineClient
-from molt.types import Completion, Segment
+from molt.types import Completion, Image, Segment
 
 LAYERS, TOP_K, EXPERTS = 3, 2, 64
 
@@ -91,6 +91,12 @@ def test_attach_keeps_the_latest_call_and_older_rows_for_cache_hits():
     plain = Segment(token_ids=[1])
     plain.attach_routes(None)  # an engine without routes leaves segments without them
     assert plain.routed_experts is None
+    head = seg.head(6)  # the sync probe's prefix (engine.probe_tokens): every column cut alike, routes included
+    assert (head.token_ids, head.loss_mask, head.logprobs, head.versions) == \
+        (seg.token_ids[:6], seg.loss_mask[:6], seg.logprobs[:6], seg.versions[:6])
+    assert (head.routed_experts == seg.routed_experts[:6]).all() and seg.head(9) is seg
+    seg.images = [Image(offset=3, length=2, sha256="x")]
+    assert seg.head(4) is seg, "a segment with images is probed whole"
 
 
 class FakeVllm(BaseHTTPRequestHandler):
