@@ -12,7 +12,6 @@ import pickle
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from molt import checkpoint
 from molt.actor.actor import Actor
@@ -21,6 +20,7 @@ from molt.assets import ensure_model
 from molt.config import FsdpConfig, TrainConfig
 from molt.net import free_port
 from tests.actor.test_parallel import LORA, SAVED, TRAIN, run_steps, segments
+from tests.ranks import spawn
 
 
 def _two_ranks(rank, port, models, ckpts, out):
@@ -56,7 +56,7 @@ def resharded(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reshard")
     models = {n: str(ensure_model(tmp / n, n)) for n in ("tiny", "tiny_moe")}
     ckpts = {n: str(tmp / f"ckpt_{n}") for n in (*models, "tiny_lora")}
-    mp.spawn(_two_ranks, args=(free_port(), models, ckpts, str(tmp / "ep2.pt")), nprocs=2)
+    spawn(_two_ranks, args=(free_port(), models, ckpts, str(tmp / "ep2.pt")), nprocs=2)
     return models, ckpts, torch.load(tmp / "ep2.pt", weights_only=False)
 
 

@@ -18,7 +18,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from molt import view
 from molt.actor.actor import Actor
@@ -26,6 +25,7 @@ from molt.actor.group import init_distributed, rank_actor
 from molt.config import FsdpConfig, TrainConfig
 from molt.net import free_port
 from tests.actor.test_parallel import segments
+from tests.ranks import spawn
 
 MOLT_VIEW = Path(sys.executable).parent / "molt-view"  # the console script (pyproject [project.scripts])
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -190,6 +190,6 @@ def test_kept_logprobs_are_the_losss_own_on_one_rank_and_across_data_and_context
     actor.train_step(segs, adv)
     assert actor.kept_logprobs() is None
     out = tmp_path / "kept.pt"
-    mp.spawn(_rank, args=(2, free_port(), model_dir, FsdpConfig(cp_size=2), str(out)), nprocs=2)
+    spawn(_rank, args=(2, free_port(), model_dir, FsdpConfig(cp_size=2), str(out)), nprocs=2)
     for a, b in zip(torch.load(out), one):
         assert a == pytest.approx(b, abs=1e-5)

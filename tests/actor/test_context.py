@@ -4,7 +4,6 @@ gradients (real gloo process groups in spawned processes, tiny dense and MoE Qwe
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
 from molt.actor import context
@@ -15,6 +14,7 @@ from molt.assets import ensure_model
 from molt.config import FsdpConfig
 from molt.net import free_port
 from tests.actor.test_actor import make_segments
+from tests.ranks import spawn
 
 LENGTHS = (13, 7, 9, 5, 10, 3, 6, 4)  # 3 rows of 23, 22, 12 tokens: cp_slice pads them to 24 columns
 TEMPERATURE = 0.7
@@ -105,7 +105,7 @@ def references(model_dirs):
 @pytest.mark.parametrize("world,modes", [(2, (False, True)), (4, (False,))])  # parallelize at cp=2 only (time)
 def test_cp_matches_one_rank(model_dirs, references, tmp_path, world, modes):
     out = tmp_path / "cp.pt"
-    mp.spawn(_cp_rank, args=(world, free_port(), model_dirs, modes, str(out)), nprocs=world)
+    spawn(_cp_rank, args=(world, free_port(), model_dirs, modes, str(out)), nprocs=world)
     for (kind, via_parallelize), (loss, every, grads) in torch.load(out).items():
         ref_loss, ref_every, ref_grads = references[kind]
         what = f"{kind}, cp={world}, {'parallelize' if via_parallelize else 'context.enable'}"

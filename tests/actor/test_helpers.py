@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
 from molt.actor.group import init_distributed, run_actor
@@ -13,6 +12,7 @@ from molt.assets import ensure_model
 from molt.config import EstimatorConfig, FsdpConfig, RunConfig, TrainConfig
 from molt.net import free_port
 from tests.actor.test_parallel import segments
+from tests.ranks import spawn
 
 
 def run_cfg(dp: int = 1, cp: int = 1):
@@ -61,7 +61,7 @@ def setup(tmp_path_factory):
 def test_helpers_follow_the_layout(setup, tmp_path, dp, cp):
     model_dir, ref = setup
     out = tmp_path / "rank0.pt"
-    mp.spawn(_rank, args=(dp * cp, free_port(), str(model_dir), dp, cp, str(out)), nprocs=dp * cp)
+    spawn(_rank, args=(dp * cp, free_port(), str(model_dir), dp, cp, str(out)), nprocs=dp * cp)
     got = torch.load(out, weights_only=False)
     for a, b in zip(got["reference"], ref["reference"]):
         assert a == pytest.approx(b, abs=1e-5)

@@ -13,7 +13,6 @@ import importlib.util
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from molt.actor.actor import Actor
 from molt.actor.group import init_distributed, rank_actor
@@ -22,6 +21,7 @@ from molt.assets import ensure_model
 from molt.config import FsdpConfig, LoraConfig, TrainConfig
 from molt.net import free_port
 from molt.types import Segment
+from tests.ranks import spawn
 
 TRAIN = TrainConfig(row_tokens=16, micro_batch_rows=1, lr=1e-3, grad_clip=1.0)
 HAS_CP = importlib.util.find_spec("molt.actor.context") is not None
@@ -98,7 +98,7 @@ LAYOUTS = [  # (model, dp, ep, cp, offload, rows, lora)
 def test_layout_reproduces_one_rank(models, reference, tmp_path, name, dp, ep, cp, offload, rows, lora):
     fsdp = FsdpConfig(dp_size=dp, ep_size=ep, cp_size=cp, offload=offload)
     out = tmp_path / "rank0.pt"
-    mp.spawn(_rank, args=(dp * ep * cp, free_port(), str(models[name]), fsdp, rows, str(out), lora), nprocs=dp * ep * cp)
+    spawn(_rank, args=(dp * ep * cp, free_port(), str(models[name]), fsdp, rows, str(out), lora), nprocs=dp * ep * cp)
     got, ref = torch.load(out, weights_only=False), reference(name, rows, lora)
     assert ref["metrics"]["rows"] == rows
     for key in ("loss/policy", "grad_norm", "tokens/loss", "entropy/mean", "mismatch/logprob_abs_max"):

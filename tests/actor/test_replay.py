@@ -7,7 +7,6 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, DeepseekV3Config
 
 from molt.actor import replay
@@ -15,6 +14,7 @@ from molt.actor.actor import load_model, token_logprobs
 from molt.actor.pack import align_next, cp_slice, micro_batches, pack, unalign
 from molt.assets import ensure_model
 from molt.types import Segment
+from tests.ranks import spawn
 
 LENGTHS = (40, 33, 57, 21)  # packed into 64-token rows: 3 rows
 NUDGE = 0.002  # std of the noise added to the stand-in engine's router weights
@@ -262,7 +262,7 @@ def test_replay_under_parallelism(moe_dir, tmp_path, layout):
     batch = make_batch()
     engine_logp, routes = record(nudged(actor), batch)
     routed = dataclasses.replace(batch, routed_experts=routes)
-    mp.spawn(_parallel_rank, args=(2, free_port(), str(moe_dir), layout, routed, str(tmp_path / "out.pt")), nprocs=2)
+    spawn(_parallel_rank, args=(2, free_port(), str(moe_dir), layout, routed, str(tmp_path / "out.pt")), nprocs=2)
     plain, replayed = torch.load(tmp_path / "out.pt")
     before, after = mismatch(batch, engine_logp, plain), mismatch(batch, engine_logp, replayed)
     print(f"\n{layout}2: |dlogp| {before:.2e} -> {after:.2e} with replay, {before / after:.1f}x")

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from PIL import Image as PIL
 
 from molt.actor.actor import Actor
@@ -22,6 +21,7 @@ from molt.assets import VL_IMAGE, ensure_model
 from molt.config import FsdpConfig, TrainConfig
 from molt.net import free_port
 from molt.types import Image, Segment
+from tests.ranks import spawn
 
 TRAIN = TrainConfig(row_tokens=48, micro_batch_rows=1, lr=1e-3, grad_clip=1.0)
 SEQ = (VL_IMAGE["image_size"] // VL_IMAGE["patch_size"]) ** 2 // VL_IMAGE["scale_factor"] ** 2
@@ -80,7 +80,7 @@ def test_vl_dp2_reproduces_one_rank(vl_dir, tmp_path):
     ref = run_step(Actor(vl_dir, TRAIN))
     assert any("vision_model" in n and g.abs().sum() > 0 for n, g in ref["grads"].items())  # the tower trains
     out = tmp_path / "rank0.pt"
-    mp.spawn(_rank, args=(2, free_port(), str(vl_dir), str(out)), nprocs=2)
+    spawn(_rank, args=(2, free_port(), str(vl_dir), str(out)), nprocs=2)
     got = torch.load(out, weights_only=False)
     for key in ("loss/policy", "grad_norm", "tokens/loss"):
         assert got["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-5, abs=1e-7), key

@@ -10,7 +10,6 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from vllm.distributed.weight_transfer.packed_tensor import pack_tensors, unpack_tensor
 
 from molt.actor.actor import Actor
@@ -20,6 +19,7 @@ from molt.config import FsdpConfig, LoraConfig, TrainConfig
 from molt.net import free_port
 from molt.sync.nccl import Buckets, Engines, buckets, connect, sync_nccl
 from tests.actor.test_parallel import segments
+from tests.ranks import spawn
 from tests.rollout.conftest import engine_cfg
 
 BUCKET = 32 * 1024  # bytes: tiny_moe is ~1.2 MB in bf16, so ~40 buckets
@@ -104,7 +104,7 @@ def _rank(rank, port, model_dir, out):
 def test_gathering_by_bucket_holds_at_most_one_bucket(moe_dir, tmp_path):
     """ep2 (experts all-gathered over ep, the rest from FSDP shards): while the weights stream out, rank 0 never
     holds more than one bucket (or one tensor larger than a bucket) of gathered weights beyond its own shards."""
-    mp.spawn(_rank, args=(free_port(), str(moe_dir), str(tmp_path / "r0.pt")), nprocs=2)
+    spawn(_rank, args=(free_port(), str(moe_dir), str(tmp_path / "r0.pt")), nprocs=2)
     r = torch.load(tmp_path / "r0.pt")
     assert r["total"] == r["baseline"] > 20 * BUCKET
     assert r["peak"] <= max(BUCKET, r["largest"]) * 1.05, r
