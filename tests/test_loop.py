@@ -20,7 +20,6 @@ import psutil
 import pytest
 
 from molt import checkpoint, view
-from molt.rollout.engine import SERVER
 from tests.test_view import MOLT_VIEW, Dom, browse, chromium, page_rollouts  # noqa: F401 (fixture)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -331,7 +330,7 @@ def wait_for_checkpoint(proc, ckpt: Path, step: int, timeout: float = 600) -> No
 def engine_processes(driver: int) -> list[psutil.Process]:
     """The vLLM API server(s) of a run and their children (EngineCore)."""
     servers = [p for p in psutil.Process(driver).children(recursive=True)
-               if SERVER in " ".join(p.cmdline())]
+               if "vllm.entrypoints.openai.api_server" in " ".join(p.cmdline())]
     return servers + [c for s in servers for c in s.children(recursive=True)]
 
 
@@ -434,7 +433,7 @@ def test_sigterm_while_engines_start_leaves_no_orphans(tmp_path):
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         family, deadline = [], time.time() + 120
-        while not any(SERVER in " ".join(p.cmdline()) for p in family) and time.time() < deadline:
+        while not any("vllm.entrypoints" in " ".join(p.cmdline()) for p in family) and time.time() < deadline:
             assert proc.poll() is None, proc.stderr.read()[-3000:]
             time.sleep(0.5)
             family = psutil.Process(proc.pid).children(recursive=True)

@@ -72,7 +72,7 @@ class IdleSampler(threading.Thread):
 
     def sockets(self) -> list[str]:
         procs = psutil.Process(self.driver).children(recursive=True)
-        return [a for p in procs if "molt.rollout.vllm_ext" in " ".join(p.cmdline()) for a in p.cmdline() if a.endswith(".sock")]
+        return [a for p in procs if "vllm.entrypoints" in " ".join(p.cmdline()) for a in p.cmdline() if a.endswith(".sock")]
 
     def run(self) -> None:
         while not self.done.is_set():

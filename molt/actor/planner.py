@@ -259,14 +259,14 @@ def describe_model(cfg, hf: dict) -> str:
 
 def run_plan(cfg) -> str:
     """What a run would start, in a few lines, and its memory plan (`molt dry_run=true`, the run log)."""
-    from molt.rollout.engine import SERVER, server_cmd  # the launcher's own command line, not a copy
+    from molt.rollout.engine import server_cmd  # the launcher's own command line, not a copy
 
     f, r, t, e = cfg.fsdp, cfg.rollout, cfg.train, cfg.engine
     d = derived(cfg)
     device = f"{cfg.cluster.gpus_per_node} GPUs/node" if cfg.cluster.gpus_per_node else "cpu"
     env = "" if cfg.cluster.gpus_per_node else f"VLLM_CPU_KVCACHE_SPACE={e.kv_cache_gb} "
     source = f"built by recipe {cfg.model.build!r} if missing" if cfg.model.build else "existing directory"
-    engines = [f"  engine {i}    {env}python -m {SERVER} "
+    engines = [f"  engine {i}    {env}python -m vllm.entrypoints.openai.api_server "
                + " ".join(server_cmd(e, cfg.model.path, e.base_port + i if e.base_port else "<free>",
                                      f"<0700 dir>/engine{i}.sock" if e.uds else "")[3:])
                for i in range(e.num_engines)]

