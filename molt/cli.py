@@ -30,27 +30,23 @@ log = logging.getLogger(__name__)
 
 def task(cfg: DictConfig) -> None:
     guards.validate(cfg)
-    if cfg.dry_run:
-        from molt.actor.planner import run_plan  # torch + transformers: the meta model on a fake process group
+    from molt.actor.planner import run_plan  # torch + transformers: the meta model on a fake process group
 
+    if cfg.dry_run:
         print(f"molt dry run: {cfg.name} (nothing started)\n{run_plan(cfg)}")
         return
     from molt.cluster import allocation
-    from molt.rollout.engine import run_engines
+    from molt.loop import Interrupted, run  # heavy imports (torch, vllm, ray) only for a real run
     from molt.tracking import TERMINATED, on_sigterm
-    from molt.types import EngineDied, Interrupted
+    from molt.types import EngineDied
 
     signal.signal(signal.SIGTERM, on_sigterm)  # unwinds like Ctrl-C, engines that are still starting included
     logging.captureWarnings(True)  # Python warnings go to the run log too
     try:
         with allocation(cfg) as runs_the_loop:  # on Slurm: Ray on every task, the loop on task 0
             if runs_the_loop:
-                with run_engines(cfg) as (tmp, engines):  # local engines start first: the imports below overlap them
-                    from molt.actor.planner import run_plan
-                    from molt.loop import run  # heavy imports (torch, Ray, MLflow) only for a real run
-
-                    log.info(f"molt: {cfg.name}, output in {cfg.output_dir}\n{run_plan(cfg)}")
-                    run(cfg, tmp, engines)
+                log.info(f"molt: {cfg.name}, output in {cfg.output_dir}\n{run_plan(cfg)}")
+                run(cfg)
     except EngineDied as e:  # everything is shut down by now; the last checkpoint is intact
         log.error(f"molt: {e} (engine log under {cfg.output_dir}/engines/; resume=true continues from "
                   "the last checkpoint)")

@@ -36,14 +36,13 @@ from molt.assets import ensure_model
 from molt.config import derived
 from molt.fleet import Fleet
 from molt.rollout.engine import launch_engines, wait_ready
-from molt.types import Interrupted, Segment
+from molt.types import Segment
 
 log = logging.getLogger(__name__)
 
 
-def run(cfg, tmp: str, engines: list | None) -> None:
-    """Start Ray, MLflow and the engines `run_engines` left to it (molt/rollout/engine.py: it started `engines`, and
-    made `tmp`, the run's private temporary directory); train; always tear everything down (exit, Ctrl-C, crash)."""
+def run(cfg) -> None:
+    """Start engines, Ray and MLflow; train; always tear everything down (exit, Ctrl-C, crash)."""
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # plain values, picklable for Ray
     model_dir = ensure_model(cfg.model.path, cfg.model.build)
     guards.check(cfg)  # again, now that the model exists: guards that read it (e.g. the opd teacher's tokenizer)
@@ -56,13 +55,13 @@ def run(cfg, tmp: str, engines: list | None) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine request otherwise
     with contextlib.ExitStack() as stack:
         stack.enter_context(logging_redirect_tqdm())  # log lines print above the progress bar, not into it
+        tmp = stack.enter_context(reaper.private_tmp())  # the run's temporary files, Ray's and the engines'
         replaying = bool(cfg.train.replay_rollouts)  # no engine, no rollout worker: Ray only for actor ranks
         if not replaying or ranked(cfg):
             stack.enter_context(ray_session(tmp))
-        if engines is None and not replaying:  # some on other Slurm tasks, in Ray actors: started, train waits
-            engines = stack.enter_context(launch_engines(cfg.engine, model_dir, Path(cfg.output_dir) / "engines",
-                                                         cfg.cluster.engine_tasks, cfg.cluster.gpus_per_node > 0,
-                                                         tmp, wait=False))
+        engines = None if replaying else stack.enter_context(launch_engines(  # started: train waits for them
+            cfg.engine, model_dir, Path(cfg.output_dir) / "engines", cfg.cluster.engine_tasks,
+            cfg.cluster.gpus_per_node > 0, tmp, wait=False))
         stack.enter_context(tracking.mlflow_run(cfg, derived(cfg), resume_run=cluster.requeued()))  # with the reaper (molt/reaper.py)
         stop = stack.enter_context(stop_on_interrupt())
         replay(cfg, model_dir, stop) if replaying else train(cfg, model_dir, engines, stop)
@@ -154,6 +153,19 @@ def report(cfg, bar, step: int, version: int, metrics: dict, prep: Prepared, gro
     metrics["throughput/tokens_per_s"] = metrics["rollout/gen_tokens"] / metrics["time/step"]
     tracking.log_metrics(metrics, step, cfg.train.steps, cfg.train.log_every)
     bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step']:.2f}")
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, handled between two steps: `step` steps are done, `path` holds them (None: no step ran)."""
+
+    def __init__(self, step: int, path, checkpoint_dir: str):
+        super().__init__(step, path, checkpoint_dir)
+        self.step, self.path, self.checkpoint_dir = step, path, checkpoint_dir
+
+    def __str__(self) -> str:
+        where = f"checkpoint at {self.path}" if self.path else "no step finished, no checkpoint"
+        return (f"interrupted at step {self.step}; {where}; to continue, run the same command with resume=true "
+                f"(checkpoint_dir={self.checkpoint_dir})")
 
 
 @contextlib.contextmanager

@@ -171,19 +171,6 @@ class EngineDied(RuntimeError):
         return EngineDied, (self.name, self.detail)
 
 
-class Interrupted(KeyboardInterrupt):
-    """Ctrl-C, handled between two steps: `step` steps are done, `path` holds them (None: no step ran)."""
-
-    def __init__(self, step: int, path, checkpoint_dir: str):
-        super().__init__(step, path, checkpoint_dir)
-        self.step, self.path, self.checkpoint_dir = step, path, checkpoint_dir
-
-    def __str__(self) -> str:
-        where = f"checkpoint at {self.path}" if self.path else "no step finished, no checkpoint"
-        return (f"interrupted at step {self.step}; {where}; to continue, run the same command with resume=true "
-                f"(checkpoint_dir={self.checkpoint_dir})")
-
-
 class RolloutFailed(Exception):
     """The agent's code failed `rollout` (as far as it got): run_group marks it failed and the group goes on. Raised
     `from` the agent's own exception, whose file:line the one-line report names; `image`: the reason a bad image

@@ -357,24 +357,6 @@ def launch_engines(cfg: EngineConfig, model_dir: str | Path, log_dir: str | Path
                 list(pool.map(lambda s: s.stop(), servers))
 
 
-@contextlib.contextmanager
-def run_engines(cfg) -> Iterator[tuple[str, list | None]]:
-    """A run's private temporary directory (its files, Ray's and the engines') and, when every engine is a process of
-    this one, the engines, started at once (wait=False): before the loop's imports (torch, Ray, MLflow: ~10 s of one
-    core) and Ray's start (~5 s), none of which they need, so their start (mostly one core importing vLLM) overlaps
-    them. None when the loop starts them (molt/loop.py run): an engine on another Slurm task, through Ray; a replay."""
-    from molt.assets import ensure_model
-
-    with private_tmp() as tmp:
-        if cfg.train.replay_rollouts or any(cfg.cluster.engine_tasks):
-            yield tmp, None
-            return
-        with launch_engines(cfg.engine, ensure_model(cfg.model.path, cfg.model.build),
-                            Path(cfg.output_dir) / "engines", (), cfg.cluster.gpus_per_node > 0, tmp,
-                            wait=False) as engines:
-            yield tmp, engines
-
-
 def wait_ready(servers: list, timeout_s: float) -> None:
     """Until every server of launch_engines is healthy (at most timeout_s in all); an engine that exits first raises
     with the last lines of its log."""
