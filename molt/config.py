@@ -55,6 +55,9 @@ class AgentConfig:
     image_dir: str = ""  # local image paths are allowed only under this directory ("" = data URLs only)
     max_request_bytes: int = 4194304  # chat: larger request bodies are refused (413) before they are parsed
     harness: str = ""  # chat: the agent CLI run_cli runs, claude | codex (molt/agents/harness.py; "" = none)
+    # chat: the reward of a rollout one of whose replies a budget cut (agent.max_tokens_per_turn, the context's room;
+    # info["cut"] counts them); null = the agent's own. 0 stops RL from paying a reply that ran past its end
+    cut_reward: Optional[float] = None
     log_dir: str = ""  # chat: run_cli appends each CLI's output to <log_dir>/<rollout id>.log ("" = not kept)
     verifiers: dict[str, Any] = field(default_factory=dict)  # verifiers mode: {env: verifiers' [env] block, path: [dirs
     # put on the bridge's sys.path, relative to the repo]} (molt/agents/verifiers.py, conf/agent/verifiers.yaml)
@@ -119,6 +122,7 @@ class TrainConfig:
     steps: int = 100
     groups_per_step: int = 8
     lr: float = 1e-3
+    warmup_steps: int = 0  # the policy's lr rises linearly, lr * k / warmup_steps at its k-th update (0 = constant lr)
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0

@@ -134,9 +134,11 @@ def sequences_on_one_rank(cfg, hf):
                 "sequence over ranks: set fsdp.cp_size=1, or a token-level loss / is_correction.level")
 
 
-def kl_coef(cfg, hf):
+def train_signs(cfg, hf):
     if cfg.train.kl_coef < 0:
         return f"train.kl_coef={cfg.train.kl_coef}: the KL penalty's weight must be >= 0 (0 = no reference model)"
+    if cfg.train.warmup_steps < 0:
+        return f"train.warmup_steps={cfg.train.warmup_steps}: the lr's linear warmup needs N >= 0 (0 = constant lr)"
 
 
 def view_every(cfg, hf):
@@ -487,7 +489,7 @@ def cp_with_images(cfg, hf):
 GUARDS = [fsdp_sizes, fsdp_offload, slurm_resources, container_image, ranks_fit_cluster, single_node, micro_batch_rows,
           cp_splits_rows,
           model_recipe, model_dir, master_weights, ep_on_dense, ep_divides_experts, cpu_head_dim, estimator_known,
-          estimator_fits, loss_known, sequences_on_one_rank, kl_coef, view_every,
+          estimator_fits, loss_known, sequences_on_one_rank, train_signs, view_every,
           is_correction_names, is_correction_band, is_correction_seq_mode, filter_needs_group, max_lag, temperature,
           replay_needs_experts, replay_needs_routes, routes_need_gpu, sync_path, lora_combinations, lora_targets, engines,
           context_fits, agent_mode, agent_module, agent_harness, agent_verifiers, task_files, task_renders, batch_fits_inflight, cp_full_attention, cp_with_images,

@@ -394,6 +394,7 @@ def rollout_metrics(groups, counts, version: int) -> dict:
             "rollout/failed": counts["failed"], "rollout/stale_dropped": counts["stale"],
             "rollout/retried": counts["retried"],
             "rollout/truncated": sum(r.status == "truncated" for r in rollouts),
+            "rollout/cut": sum(r.info.get("cut", 0.0) > 0 for r in rollouts),  # chat: a reply cut by a budget
             "filter/dropped": counts["filtered"],
             "filter/dropped_frac": counts["filtered"] / (counts["filtered"] + len(groups)),
             "rollout/gen_tokens_mean": generated / len(rollouts), "rollout/gen_tokens": generated,

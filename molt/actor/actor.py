@@ -222,8 +222,9 @@ class Actor:
         mbs = self.micro_batches(batch)
         self.optimizer.stash = len(mbs) > 1  # MasterAdamW: several micro-batches accumulate in fp32
         for mb in mbs:
-            with torch.no_grad():  # helper scores the objective takes, e.g. the KL reference's log-probs, (r, t) each
-                aux = {n: self.helpers[n].score(mb, temperature) for n in self.objective.needs}
+            with torch.no_grad():  # helper scores the objective takes (the KL reference's log-probs), (r, t) each: on
+                # the loss tokens only, as the policy's (the head over every prompt position was most of a KL step)
+                aux = {n: self.helpers[n].score(mb, temperature, loss_only=True) for n in self.objective.needs}
             # held through backward: checkpointed layers re-route (and re-drop: lora.dropout) there
             with replay_mod.routes(self.model, mb), lora.dropout_on(self.model):
                 logp, entropy = token_logprobs(self.model, mb, temperature, loss_only=True, entropy=True)  # (r, t) x 2
@@ -264,8 +265,19 @@ class Actor:
         if not math.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"gradient norm is {norm}; step skipped (lower train.lr or set train.grad_clip)")
+        lr = self.warmed_lr()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.optimizer.step()
-        return dict(metrics, grad_norm=norm)
+        return dict(metrics, grad_norm=norm, lr=lr)
+
+    def warmed_lr(self) -> float:
+        """train.lr, ramped linearly over the first train.warmup_steps updates. The count is AdamW's own step (every
+        trained parameter's state keeps it), so a resumed run goes on where its checkpoint stopped."""
+        if self.cfg.warmup_steps <= 0:
+            return self.cfg.lr
+        done = float(next(iter(self.optimizer.state.values()), {}).get("step", 0))
+        return self.cfg.lr * min(1.0, (done + 1) / self.cfg.warmup_steps)
 
     def _gathered(self, keep: torch.Tensor, lengths: list[int]) -> list[list[float]]:
         """Kept log-probs from every rank (each loss token was computed by one rank, -inf elsewhere: a max gathers

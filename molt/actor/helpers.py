@@ -31,10 +31,10 @@ class Frozen:
     def __init__(self, actor, path, replay: bool, model=None):
         self.model = model if model is not None else actor.build(path, trainable=False, replay=replay)
 
-    def score(self, mb: Batch, temperature: float) -> torch.Tensor:
+    def score(self, mb: Batch, temperature: float, loss_only: bool = False) -> torch.Tensor:
         # the reference routes as the policy does (no-op unless installed); adapters off (no-op without)
         with replay.routes(self.model, mb), lora.disabled(self.model):
-            return token_logprobs(self.model, mb, temperature)  # (r, t)
+            return token_logprobs(self.model, mb, temperature, loss_only=loss_only)  # (r, t)
 
 
 class Critic:

@@ -111,7 +111,9 @@ async def run_chat_rollout(generate: Generate, tokenizer, agent_fn: Callable, sa
         raise s.error
     ro.status = "truncated" if s.refused or truncated else "ok"
     ro.info.update(turns=float(s.turns), segments=float(len(ro.segments)), refused=float(s.refused),
-                   rejected=float(s.rejected), ignored=float(sum(s.ignored.values())))
+                   rejected=float(s.rejected), ignored=float(sum(s.ignored.values())), cut=float(s.cuts))
+    if s.cuts and agent_cfg.cut_reward is not None:  # agent.cut_reward: a reply ran past its budget
+        ro.reward = float(agent_cfg.cut_reward)
     if s.bad_image:  # the policy would have trained without seeing an image the agent sent (images.py)
         why, cause = f"bad image: {s.bad_image}", None
     elif not why and s.rejected:

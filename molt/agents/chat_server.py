@@ -110,6 +110,7 @@ class Session:
     turns: int = 0  # replies generated
     refused: int = 0  # requests refused for a budget (max_turns, context)
     cut: bool = False  # the latest reply was cut by a budget (max_tokens_per_turn, the context's room), not the request
+    cuts: int = 0  # replies so cut
     rejected: int = 0  # requests refused as malformed (400, 413): the agent's fault, the rollout fails
     rejection: str = ""  # the last such refusal's message
     replies: list[tuple[dict, list[int]]] = field(default_factory=list)  # (message returned, the engine's ids)
@@ -230,6 +231,7 @@ async def complete(s: Session, convo: list[dict], max_tokens: Optional[int], sto
         s.turns += 1
         reply = _reply(s, text, stop, c, keep, tools_on, len(prompt))
         s.cut = reply.finish == "length" and limit == budget
+        s.cuts += s.cut
         if logprobs:
             reply.logprobs = [(s.tokenizer.decode([t]), x) for t, x in zip(c.token_ids[:keep], c.logprobs[:keep])]
         s.history = convo + [reply.message]

@@ -221,6 +221,26 @@ def test_checkpoint_round_trip(model_dir, tmp_path):
         assert torch.equal(p, q), k
 
 
+def test_warmup_ramps_the_lr_and_resumes_on_its_step(model_dir, tmp_path):
+    """train.warmup_steps=4: updates 1-4 at lr/4 .. lr, then lr. AdamW's first update moves the weights whose gradient
+    is far above eps by the lr itself, so the first step's largest move is lr/4; a checkpoint keeps the count."""
+    from molt import checkpoint
+
+    cfg = TrainConfig(row_tokens=64, lr=1e-2, warmup_steps=4)
+    a, b = Actor(model_dir, cfg), Actor(model_dir, cfg)
+    segs = make_segments(seed=5)
+    segs = with_logprobs(segs, a.logprobs(segs))
+    before = [p.detach().clone() for p in a.model.parameters()]
+    lrs = [a.train_step(segs, [1.0, -1.0] * 5)["lr"]]
+    moved = max((p - q).abs().max().item() for p, q in zip(a.model.parameters(), before))
+    assert moved == pytest.approx(cfg.lr / 4, rel=1e-3)
+    lrs.append(a.train_step(segs, [1.0, -1.0] * 5)["lr"])
+    checkpoint.load(checkpoint.save(str(tmp_path / "ckpt"), 2, a, data_position=0, model_dir=model_dir), b)
+    lrs += [a.train_step(segs, [0.5] * 10)["lr"] for _ in range(3)]
+    assert lrs == pytest.approx([2.5e-3, 5e-3, 7.5e-3, 1e-2, 1e-2])
+    assert b.train_step(segs, [0.5] * 10)["lr"] == pytest.approx(7.5e-3)  # the resumed actor's third update
+
+
 def kl_actor(model_dir, train, kl_coef, is_correction=None):
     """An actor whose objective has a KL penalty, with the frozen reference (the initial policy) as its helper."""
     actor = Actor(model_dir, train, objective=Objective(LossConfig(), is_correction, kl_coef))

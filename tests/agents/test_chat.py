@@ -555,6 +555,25 @@ def test_agent_outcomes(loop, client, tok):
     assert [len(r.segments) for r in g.rollouts] == [1, 1, 1, 1, 0, 0]
 
 
+def test_cut_reward_replaces_the_reward_of_a_rollout_whose_reply_a_budget_cut(loop, client, tok):
+    """agent.cut_reward: a reply cut by agent.max_tokens_per_turn counts in info["cut"] and sets the rollout's reward;
+    one cut by the request's own max_tokens is the agent's choice and keeps it; null keeps every reward."""
+    gen = Router([client]).generate
+
+    async def agent(ctx):
+        oai = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        own = {"max_tokens": 2} if ctx.rollout_id.endswith("1") else {}
+        r = await oai.chat.completions.create(model=ctx.model, messages=ctx.messages, **own)
+        assert r.choices[0].finish_reason == "length"  # greedy: no end of sequence within 4 ids
+        return 1.0
+
+    for cut_reward, rewards in ((-0.5, [-0.5, 1.0]), (None, [1.0, 1.0])):
+        cfg = AgentConfig(mode="chat", max_turns=1, max_tokens_per_turn=4, max_total_tokens=128, cut_reward=cut_reward)
+        g = group(loop, gen, tok, agent, n=2, cfg=cfg, sampling={"temperature": 0.0})
+        assert [(r.status, r.reward, r.info["cut"]) for r in g.rollouts] == [("ok", rewards[0], 1.0),
+                                                                             ("ok", rewards[1], 0.0)]
+
+
 def test_agent_timeout_fails_the_rollout_and_closes_its_session(loop, client, tok):
     """agent.timeout_s: a hung agent fails; its session is gone."""
     cfg = AgentConfig(mode="chat", max_turns=4, max_tokens_per_turn=4, max_total_tokens=128, timeout_s=10.0)
