@@ -147,15 +147,17 @@ def test_rl_through_codex_raises_the_reward(policy, tmp_path):
     format holds while the word's choice moves) make "molt" the most likely word, at 1.5 times its fitted probability
     or more (exact, on the recorded prompts, from the final checkpoint's adapter). The sampled rollouts stay paid:
     molt's share in steps 12-15 is above steps 0-3's (rollout.seed=0 draws the same numbers in every run, so this
-    guards the calls more than it measures the learning). agent.cut_reward=0: Codex runs the call of a reply cut at
-    max_tokens_per_turn, so a policy that ran on past the call's end was paid, and learned to: at lr 6e-3 without
-    it, 62 of the 64 replies of steps 4-7 ran on. At lr 3e-3 the gain was x1.4 to x2.0 (five variants, one fit), and in
-    one CI run the share fell from 0.25 to 0 in steps 12-15 (why was not recorded: the prints below say now)."""
+    guards the calls more than it measures the learning). train.kl_coef=0.1 (to the base: adapters off) holds the
+    calls: without it, at lr 3e-3 (a CI run) and 5e-3 (one fresh fit of three) the policy fell into a short malformed
+    call paid 0 (`"arguments": "exec_command", "arguments": ...`), the share near 0 in steps 12-15. With it: x2.0
+    and x2.1 (two fits). agent.cut_reward=0: Codex runs the call of a reply cut at max_tokens_per_turn, so a policy
+    that ran on past the call's end was paid, and learned to (lr 6e-3: 62 of the 64 replies of steps 4-7 ran on)."""
     from peft import PeftModel
 
     steps = 16
     hist, rows = molt_through("codex", policy[0], tmp_path, f"train.steps={steps}", "train.groups_per_step=4",
-                              "rollout.n=4", "rollout.seed=0", "train.lr=5e-3", "lora.rank=8", "agent.cut_reward=0",
+                              "rollout.n=4", "rollout.seed=0", "train.lr=3e-3", "train.kl_coef=0.1",
+                              "agent.cut_reward=0", "lora.rank=8",
                               "lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]")
     per_step = [[(r["reward"], r["info"]["cut"]) for r in rows if r["step"] == k] for k in range(steps)]
     print("per step, rollouts paid 1.0 / paid 0 / with a cut reply:",
@@ -169,5 +171,5 @@ def test_rl_through_codex_raises_the_reward(policy, tmp_path):
     after = word_probabilities(PeftModel.from_pretrained(fitted, str(adapter)), tok, policy[1]["codex"])
     share = [sum(r["reward"] == 1.0 for r in rows if r["step"] in window) / 64 for window in (range(4), range(12, 16))]
     print(f"P(molt) {before[0]:.3f} -> {after[0]:.3f}; its share of rollouts, steps 0-3 -> 12-15: {share}")
-    assert after[0] >= 1.5 * before[0] and after[0] == max(after), (before, after)  # measured: x2.4 (one run)
+    assert after[0] >= 1.5 * before[0] and after[0] == max(after), (before, after)  # measured: x2.0, x2.1
     assert share[1] > share[0], share
