@@ -7,9 +7,10 @@ model is called with no 2-D attention mask and no KV cache. Padding at the end o
 one more "segment" (positions 0..k, segment -1), so it never attends into real tokens.
 
 Shared prefixes (`share=True`, the train step's packing): segments whose prompts (every token before the first
-generated one) are equal, as a group's samples are, put the prompt in a row once. Of a prompt of q tokens the first
-k = q - 1 come once (positions 0..k-1), then each member's tokens from k on (positions k..n-1): every member repeats
-the prompt's last token, so each generated token is still predicted from the column before it. A run of positions
+generated one) begin alike put the common part in a row once: a group's equal prompts, or an agent CLI's prompts that
+part at a scratch path (`shared_units`). Of a common prefix of k tokens (at most a prompt's length less one) the k come
+once (positions 0..k-1), then each member's tokens from k on (positions k..n-1): every member keeps at least its
+prompt's last token, so each generated token is still predicted from the column before it. A run of positions
 that starts at k > 0 attends to the first k columns of the last run that started at 0 (molt/actor/attention.py), so
 each token sees exactly the tokens it saw unshared. Only molt_varlen reads positions this way; transformers' own
 masks would cut each member off its prompt.
@@ -87,25 +88,32 @@ def _columns(segments: list[Segment], advantages: list) -> dict[str, torch.Tenso
 
 def shared_units(segments: list[Segment], row_tokens: int) -> list[tuple[int, list[int]]]:
     """(k, members): units that go into a row whole; the members' first k tokens are equal and packed once (k = 0:
-    a segment alone). Segments with equal prompts share all but the prompt's last token, as many as fit a row;
-    segments with routes or images are never shared (their prompts' routes and pixels stay per segment)."""
-    by_prompt: dict = {}
+    a segment alone). In the sorted order of their prompts, a segment joins the unit before it when their common
+    prefix is at least half its prompt, the unit saves no fewer tokens with it (k times the members but one), and the
+    unit still fits a row; every member keeps at least its prompt's last token. So a group's equal prompts share all
+    but that token, and prompts that part midway (an agent CLI's scratch path) share up to where they part. Segments
+    with routes or images are never shared (their prompts' routes and pixels stay per segment)."""
+    prompts = {}  # of the segments that may share: every token before the first generated one, at least two
     for i, s in enumerate(segments):
         q = s.loss_mask.index(1) if 1 in s.loss_mask else 0
-        shareable = q >= 2 and s.routed_experts is None and not s.images
-        by_prompt.setdefault(tuple(s.token_ids[:q]) if shareable else i, []).append(i)
-    units = []
-    for key, members in by_prompt.items():
-        k = len(key) - 1 if isinstance(key, tuple) else 0
-        unit, size = [], k
-        for i in members:
-            n = len(segments[i].token_ids) - k
-            if unit and size + n > row_tokens:
-                units.append((k, unit))
-                unit, size = [], k
-            unit, size = unit + [i], size + n
-        units.append((k, unit))
-    return [(k if len(unit) > 1 else 0, unit) for k, unit in units]  # one member alone shares nothing
+        if q >= 2 and s.routed_experts is None and not s.images:
+            prompts[i] = s.token_ids[:q]
+    units = [(0, [i]) for i in range(len(segments)) if i not in prompts]
+    k, unit, size = 0, [], 0
+    for i in sorted(prompts, key=prompts.get):
+        p, n = prompts[i], len(segments[i].token_ids)
+        if unit:
+            head = prompts[unit[0]]
+            common = next((j for j, (a, b) in enumerate(zip(head[:k], p)) if a != b), min(k, len(p) - 1))
+            grown = size + (len(unit) - 1) * (k - common) + n - common  # the unit's tokens with i, sharing `common`
+            if 2 * common >= len(p) and common * len(unit) >= k * (len(unit) - 1) and grown <= row_tokens:
+                k, unit, size = common, unit + [i], grown
+                continue
+            units.append((k if len(unit) > 1 else 0, unit))
+        k, unit, size = len(p) - 1, [i], n
+    if unit:
+        units.append((k if len(unit) > 1 else 0, unit))
+    return units
 
 
 def pack(segments: list[Segment], advantages: list[list[float] | float], row_tokens: int, share: bool = False) -> Batch:

@@ -321,14 +321,17 @@ def test_lora_reference_is_the_base_model_without_a_second_copy(model_dir):
     assert diff(scored, base) <= 1e-6 and diff(actor.logprobs(segs), base) > 1e-3
 
 
-def grouped_segments(prompts=(6, 3, 11), n=4, seed=0):
+def grouped_segments(prompts=(6, 3, 11), n=4, seed=0, part=0):
     """len(prompts) groups of n samples each: one prompt per group, replies of 1-6 tokens, behaviour log-probs
-    around -1."""
+    around -1. part > 0: each sample's prompt has an id of its own `part` ids before the prompt's end (an agent's
+    scratch path)."""
     rng, segs = random.Random(seed), []
     for q in prompts:
         prompt = [rng.randrange(3, 500) for _ in range(q)]
         for _ in range(n):
             s, k = Segment(), rng.randint(1, 6)
+            if part:
+                prompt = prompt[:q - part] + [rng.randrange(3, 500)] + prompt[q - part + 1:]
             s.append(prompt)
             s.append([rng.randrange(3, 500) for _ in range(k)], generated=True,
                      logprobs=[-1.0 + rng.uniform(-0.3, 0.3) for _ in range(k)], version=0)
@@ -350,15 +353,19 @@ def test_shared_prompts_pack_once_and_keep_every_token():
     assert shared.loss_mask.sum() == plain.loss_mask.sum() and shared.num_rows < plain.num_rows
     tight = pack(segs, [1.0] * len(segs), 20, share=True)  # a group that does not fit a row goes into several
     assert real(tight) > real(shared) and tight.loss_mask.sum() == plain.loss_mask.sum()
+    parted = grouped_segments(part=2)  # the prompts part 2 ids before their end: 4 and 9 ids shared; of 3, 1 is not
+    plain, shared = pack(parted, [1.0] * 12, 64), pack(parted, [1.0] * 12, 64, share=True)  # half a prompt or more
+    assert real(shared) == real(plain) - 3 * (4 + 9) and shared.loss_mask.sum() == plain.loss_mask.sum()
 
 
-@pytest.mark.parametrize("loss,mask_elements", [("ppo_clip", 1 << 24), ("gspo", 1 << 24), ("ppo_clip", 1)])
-def test_shared_prompts_give_the_unshared_step(model_dir, loss, mask_elements, monkeypatch):
+@pytest.mark.parametrize("loss,mask_elements,part", [("ppo_clip", 1 << 24, 0), ("gspo", 1 << 24, 0),
+                                                     ("ppo_clip", 1, 0), ("ppo_clip", 1 << 24, 2)])
+def test_shared_prompts_give_the_unshared_step(model_dir, loss, mask_elements, part, monkeypatch):
     """train.share_prefix: the same loss, metrics, kept log-probs, gradients and updated weights as every sample's
     prompt in full (fp32 sums in another order), from fewer tokens; a group's samples in one attention call, or
-    (mask_elements=1) each alone."""
+    (mask_elements=1) each alone; part=2: prompts that part before their end share up to there."""
     monkeypatch.setattr(attention, "MASK_ELEMENTS", mask_elements)
-    segs = grouped_segments()
+    segs = grouped_segments(part=part)
     adv = [(-1.0) ** i * (1 + i / 10) for i in range(len(segs))]
     out = []
     for share in (False, True):

@@ -77,7 +77,7 @@ def molt(*overrides):
                           text=True, timeout=900)
 
 
-def molt_through(cli, model, tmp_path, *overrides):
+def molt_through(cli, model, tmp_path, *overrides, row_tokens=cli_policy.CONTEXT):
     """A `molt` run whose agent is the CLI on cli_policy.TASK; returns (metric history, dumped rows)."""
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"messages": [{"role": "user", "content": cli_policy.TASK}]}) + "\n")
@@ -85,7 +85,7 @@ def molt_through(cli, model, tmp_path, *overrides):
     out = molt("experiment=calculator", f"model.path={model}", f"task.train_path={data}",
                "agent.module=tests.agents.cli_policy", f"agent.harness={cli}", "agent.max_turns=3",
                "agent.max_tokens_per_turn=64", f"agent.max_total_tokens={c}", "agent.timeout_s=300",
-               f"engine.max_model_len={c}", f"train.row_tokens={c}", "rollout.max_lag=0", "eval.every=0",
+               f"engine.max_model_len={c}", f"train.row_tokens={row_tokens}", "rollout.max_lag=0", "eval.every=0",
                f"hydra.run.dir={tmp_path / 'run'}", f"checkpoint_dir={tmp_path / 'ckpt'}",
                f"train.dump_rollouts={tmp_path / 'dump'}", *overrides)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
@@ -151,14 +151,19 @@ def test_rl_through_codex_raises_the_reward(policy, tmp_path):
     calls: without it, at lr 3e-3 (a CI run) and 5e-3 (one fresh fit of three) the policy fell into a short malformed
     call paid 0 (`"arguments": "exec_command", "arguments": ...`), the share near 0 in steps 12-15. With it: x2.0
     and x2.1 (two fits). agent.cut_reward=0: Codex runs the call of a reply cut at max_tokens_per_turn, so a policy
-    that ran on past the call's end was paid, and learned to (lr 6e-3: 62 of the 64 replies of steps 4-7 ran on)."""
+    that ran on past the call's end was paid, and learned to (lr 6e-3: 62 of the 64 replies of steps 4-7 ran on).
+    Rows of 16k tokens let the 16 prompts share the ~1.3k ids before their scratch paths (train.share_prefix: 39k ->
+    21k tokens a step, its train 11-14 s -> 10-12 s: attention over the ~2.4k-id rows dominates), and a 64-id probe
+    checks the adapter (the sync 8-10 s -> 0.5 s, the rollouts' wait 7 -> 12 s: the 1024-id probe had filled the
+    engine's prefix cache; one run each, a step 28.7 -> 24.6 s on average)."""
     from peft import PeftModel
 
     steps = 16
     hist, rows = molt_through("codex", policy[0], tmp_path, f"train.steps={steps}", "train.groups_per_step=4",
                               "rollout.n=4", "rollout.seed=0", "train.lr=3e-3", "train.kl_coef=0.1",
-                              "agent.cut_reward=0", "lora.rank=8",
-                              "lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]")
+                              "agent.cut_reward=0", "lora.rank=8", "engine.probe_tokens=64",
+                              "lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]",
+                              row_tokens=16384)
     per_step = [[(r["reward"], r["info"]["cut"]) for r in rows if r["step"] == k] for k in range(steps)]
     print("per step, rollouts paid 1.0 / paid 0 / with a cut reply:",
           [(sum(x == 1.0 for x, _ in v), sum(x == 0 for x, _ in v), sum(c > 0 for _, c in v)) for v in per_step])
