@@ -142,16 +142,16 @@ def word_probabilities(model, tok, rollouts) -> list[float]:
 
 
 def test_rl_through_codex_raises_the_reward(policy, tmp_path):
-    """RL through Codex CLI: the fitted policy writes one of four words, about one rollout in four the rewarded
-    "molt". 16 steps of 16 rollouts with LoRA (rank 8, all projections: the base stays as fitted, so the call's
-    format holds while the word's choice moves) make "molt" the most likely word, at 1.25 times its fitted probability
-    or more (exact, on the recorded prompts, from the final checkpoint's adapter). How far it moves depends on the
-    fit and on the draws: x1.48, x2.0, x2.14 and x2.26 in four runs at these settings (two fresh fits, two on one
+    """RL through Codex CLI: the fitted policy writes one of four words, about one rollout in four the rewarded "molt".
+    16 steps of 16 rollouts with LoRA (rank 8, all projections: the base stays as fitted, so the call's format holds
+    while the word's choice moves) make "molt" the most likely word, at 1.25 times its fitted probability or more
+    (exact, on the recorded prompts, from the final checkpoint's adapter). How far it moves depends on the fit and
+    on the draws: x1.48, x1.84, x2.0, x2.14 and x2.26 in five runs at these settings (three fresh fits, two on one
     fit). The sampled rollouts stay paid: molt's share in steps 12-15 is above steps 0-3's (rollout.seed=0 draws the
     same numbers in every run, so this guards the calls more than it measures the learning). train.kl_coef=0.1 (to
     the base: adapters off) holds the calls: without it, at lr 3e-3 (a CI run) and 5e-3 (one fresh fit of three) the
     policy fell into a short malformed call paid 0 (`"arguments": "exec_command", "arguments": ...`), the share near
-    0 in steps 12-15; with it, none of the four runs did. agent.cut_reward=0: Codex runs the call of a reply cut at
+    0 in steps 12-15; with it, none of the five runs did. agent.cut_reward=0: Codex runs the call of a reply cut at
     max_tokens_per_turn, so a policy that ran on past the call's end was paid, and learned to (lr 6e-3: 62 of the 64
     replies of steps 4-7 ran on). Rows of 16k tokens let the 16 prompts share the ~1.3k ids before their scratch
     paths (train.share_prefix: 39k -> 21k tokens a step, its train 11-14 s -> 10-12 s: attention over the ~2.4k-id
