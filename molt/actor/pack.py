@@ -109,11 +109,10 @@ def shared_units(segments: list[Segment], row_tokens: int) -> list[tuple[int, li
             if 2 * common >= len(p) and common * len(unit) >= k * (len(unit) - 1) and grown <= row_tokens:
                 k, unit, size = common, unit + [i], grown
                 continue
-            units.append((k if len(unit) > 1 else 0, unit))
+            units.append((k, unit))
         k, unit, size = len(p) - 1, [i], n
-    if unit:
-        units.append((k if len(unit) > 1 else 0, unit))
-    return units
+    units += [(k, unit)] if unit else []
+    return [(k if len(unit) > 1 else 0, unit) for k, unit in units]  # one member alone shares nothing
 
 
 def pack(segments: list[Segment], advantages: list[list[float] | float], row_tokens: int, share: bool = False) -> Batch:

@@ -154,7 +154,7 @@ def test_rl_through_codex_raises_the_reward(policy, tmp_path):
     0 in steps 12-15; with it, none of the five runs did. agent.cut_reward=0: Codex runs the call of a reply cut at
     max_tokens_per_turn, so a policy that ran on past the call's end was paid, and learned to (lr 6e-3: 62 of the 64
     replies of steps 4-7 ran on). Rows of 16k tokens let the 16 prompts share the ~1.3k ids before their scratch
-    paths (train.share_prefix: 39k -> 21k tokens a step, its train 11-14 s -> 10-12 s: attention over the ~2.4k-id
+    paths (train.share_prefix: 39k -> 21k tokens a step, its train's median 12.2 -> 11.4 s: attention over the ~2.4k-id
     rows dominates), and a 64-id probe checks the adapter (the sync 8-10 s -> 0.5 s, the rollouts' wait 7 -> 12 s:
     the 1024-id probe had filled the engine's prefix cache; one run each, a step 28.7 -> 24.6 s on average)."""
     from peft import PeftModel
