@@ -19,6 +19,7 @@ average; a skewed router sends more) and RUNTIME_GIB for the CUDA context, NCCL 
 """
 from __future__ import annotations
 
+import shlex
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -266,9 +267,9 @@ def run_plan(cfg) -> str:
     device = f"{cfg.cluster.gpus_per_node} GPUs/node" if cfg.cluster.gpus_per_node else "cpu"
     env = "" if cfg.cluster.gpus_per_node else f"VLLM_CPU_KVCACHE_SPACE={e.kv_cache_gb} "
     source = f"built by recipe {cfg.model.build!r} if missing" if cfg.model.build else "existing directory"
-    engines = [f"  engine {i}    {env}python -m vllm.entrypoints.openai.api_server "
-               + " ".join(server_cmd(e, cfg.model.path, e.base_port + i if e.base_port else "<free>",
-                                     f"<0700 dir>/engine{i}.sock" if e.uds else "")[3:])
+    engines = [f"  engine {i}    {env}python "
+               + shlex.join(server_cmd(e, cfg.model.path, e.base_port + i if e.base_port else "<free>",
+                                       f"<0700 dir>/engine{i}.sock" if e.uds else "")[1:])
                for i in range(e.num_engines)]
     rollout = f"agent.mode={cfg.agent.mode} ({cfg.agent.module}), up to {r.max_inflight_groups} groups in flight"
     if t.replay_rollouts:  # molt/loop.py replay: the groups come from a dump

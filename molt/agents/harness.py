@@ -54,8 +54,11 @@ PASSED = ("PATH", "LANG", "LC_ALL", "TZ", "USER", "LOGNAME", "SHELL")  # the wor
 
 # Both CLIs are run with their shell tool only and a one-line system prompt: their defaults (12 tools and ~7k characters
 # of instructions; Codex's skills, apps and collaboration sections, web search, agents and goals) make a first prompt
-# of 12.7k (Claude Code) and 6.7k (Codex) tokens with SmolLM2's tokenizer, these 1.6k and 2.2k: a small policy's
-# context holds them, and every turn (which re-sends the whole history) costs a quarter to an eighth as much.
+# of 12.7k (Claude Code) and 6.7k (Codex) tokens with SmolLM2's tokenizer, these 1.6k and 1.3k: a small policy's
+# context holds them, and every turn (which re-sends the whole history) costs an eighth to a fifth as much. Codex's
+# 1.3k: its exec_command and write_stdin tools, its sandbox's permissions and the environment (cwd, date); without
+# its bundled skills' list (imagegen, openai-docs, ...: 0.6k), request_user_input (0.35k: `codex exec` has no user
+# to ask) and view_image (0.1k), which made it 2.35k.
 SYSTEM_PROMPT = "You are a coding agent. Run shell commands with {tool}."
 CODEX_SHRUNK = ('include_apps_instructions = false\ninclude_collaboration_mode_instructions = false\n'
                 'web_search = "disabled"')
@@ -88,7 +91,8 @@ def codex(ctx: ChatContext, task: str, home: Path) -> tuple[list[str], dict[str,
         f'model = {json.dumps(ctx.model)}\nmodel_provider = "molt"\n{CODEX_SHRUNK}\n'
         f'model_instructions_file = {json.dumps(str(home / "codex" / "instructions.md"))}\n\n[model_providers.molt]\n'
         f'name = "molt"\nbase_url = {json.dumps(ctx.base_url)}\nenv_key = "MOLT_API_KEY"\nwire_api = "responses"\n'
-        '\n[features]\nmulti_agent = false\ngoals = false\n'
+        '\n[features]\nmulti_agent = false\ngoals = false\nview_image = false\n'
+        '\n[skills]\ninclude_instructions = false\n\n[tools.experimental_request_user_input]\nenabled = false\n'
         '\n[sandbox_workspace_write]\nexclude_slash_tmp = true\n')  # its own TMPDIR only: the sandboxes of rollouts
     # that share /tmp race on the mount points they make there ("bwrap: Can't mount tmpfs on /newroot/tmp/.git")
     argv = [str(BIN / "codex"), "exec", "--skip-git-repo-check", "--sandbox", "workspace-write", task]

@@ -12,7 +12,7 @@ learned to. `fit_cli_policy` makes one in two steps, both with real components:
   stay random (Adam over 49k rows would cost more than the rest). Each drawn segment is first `vary`-ed: what
   differs between rollouts (the scratch directory's random path, Codex's chunk id and wall time) is drawn anew, so
   the policy cannot learn the recorded names (without it, three fits in four had a held-out Codex prompt on which
-  a valid call had probability below 0.05). The long prompt prefix (1.6k-2.3k ids) goes through without
+  a valid call had probability below 0.05). The long prompt prefix (1.2k-1.6k ids) goes through without
   gradient, as a KV cache, and only the ~150-id tail is trained.
   Measured on 24 held-out recordings per CLI, 4 seeds: a whole valid call and "Done." at temperature 1 has
   probability 0.97-0.99 (at least 0.97 for every rollout), and the word is spread over WORDS (15-31% each).
