@@ -52,10 +52,7 @@ _LIBC = ctypes.CDLL(None, use_errno=True)  # resolved here: no dlopen between fo
 def server_cmd(cfg: EngineConfig, model_dir: str | Path, port: int, uds: str = "") -> list[str]:
     """The vLLM server command line for one engine: on a Unix socket `uds`, or TCP on 127.0.0.1:port."""
     where = ["--uds", uds] if uds else ["--host", "127.0.0.1", "--port", str(port)]
-    # the CPU build's engine core forked from a process that imported vLLM meanwhile (molt/rollout/vllm_boot.py)
-    server = "vllm.entrypoints.openai.api_server"
-    main = ["-c", f'from molt.rollout.vllm_boot import main; main("{server}")'] if _cpu_build() else ["-m", server]
-    cmd = [sys.executable, *main, "--model", str(model_dir),
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            *where, "--served-model-name", BASE_NAME if cfg.sync == "adapter" else SERVED_NAME,
            "--dtype", cfg.dtype, "--max-model-len", str(cfg.max_model_len), "--max-num-seqs", str(cfg.max_num_seqs),
            # behaviour log-probs of the distribution actually sampled (after temperature/top-p/top-k)
