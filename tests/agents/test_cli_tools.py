@@ -147,12 +147,14 @@ def test_rl_through_codex_raises_the_reward(policy, tmp_path):
     while the word's choice moves) make "molt" the most likely word, at 1.25 times its fitted probability or more
     (exact, on the recorded prompts, from the final checkpoint's adapter). How far it moves depends on the fit and
     on the draws: x1.48, x1.84, x2.0, x2.14 and x2.26 in five runs with Codex's 2.35k-id first prompt (three fresh
-    fits, two on one fit), x2.11 and x2.28 in two with its 1.3k-id one (molt/agents/harness.py). The sampled rollouts
+    fits, two on one fit), x2.11 and x2.28 (the seeded fit) and x1.6 (a fit seeded 1) with its 1.3k-id one
+    (molt/agents/harness.py). The sampled rollouts
     stay paid: molt's share in steps 12-15 is above steps 0-3's (rollout.seed=0 draws the same numbers in every run,
     so this guards the calls more than it measures the learning). train.kl_coef=0.1 (to the base: adapters off) holds
     the calls: without it, at lr 3e-3 (a CI run) and 5e-3 (one fresh fit of three) the policy fell into a short
     malformed call paid 0 (`"arguments": "exec_command", "arguments": ...`), the share near 0 in steps 12-15; with it,
-    no run did for good (one dipped: 14 of 16 paid 0 at step 4, then recovered). agent.cut_reward=0: Codex runs the
+    no run did for good (two of the three with the 1.3k-id prompt dipped at step 4, 13 and 14 of 16 paid 0, and
+    recovered). agent.cut_reward=0: Codex runs the
     call of a reply cut at max_tokens_per_turn, so a policy that ran on past the call's end was paid, and learned to
     (lr 6e-3: 62 of the 64 replies of steps 4-7 ran on). Rows of 16k tokens let the 16 prompts share the ids before
     their scratch paths (train.share_prefix), and a 64-id probe checks the adapter (the sync 8-10 s -> 0.5 s with
